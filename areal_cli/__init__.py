@@ -1,0 +1,1 @@
+"""areal: asynchronous RL for language models."""

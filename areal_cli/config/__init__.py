@@ -1,0 +1,1 @@
+"""Recipe schema, allocation grammar, loading and validation."""

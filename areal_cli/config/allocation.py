@@ -1,0 +1,151 @@
+"""The allocation grammar: which backend runs on how many devices.
+
+    allocation := component ('+' component)*
+    component  := backend ':' dim+
+    dim        := ('d' | 't' | 'p' | 'c') INT        each letter at most once
+
+Examples: `sglang:d4t1+fsdp:d4`, `embedded:d1+fsdp:d2`, `sglang:d2t2`. Inference backends
+are embedded, sglang and vllm; the training backend is fsdp. Inference `d` counts server
+processes (replicas); `t`/`p` are GPUs inside one server. Trainer `d` counts FSDP ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from areal_cli.config.errors import did_you_mean
+from areal_cli.config.schema import ParallelStrategy
+
+INFERENCE_BACKENDS = ("embedded", "sglang", "vllm")
+TRAIN_BACKENDS = ("fsdp",)
+_DIM_NAMES = {
+    "d": "data_parallel_size",
+    "t": "tensor_parallel_size",
+    "p": "pipeline_parallel_size",
+    "c": "context_parallel_size",
+}
+_COMPONENT = re.compile(r"^([a-z]+):((?:[a-z]\d+)+)$")
+
+
+class AllocationError(ValueError):
+    """A malformed or unsupported allocation string; `fix` says what to write instead."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class AllocationMode:
+    """A parsed allocation: each side's backend and ParallelStrategy (None if absent)."""
+
+    inference_backend: str | None
+    inference: ParallelStrategy | None
+    train_backend: str | None
+    train: ParallelStrategy | None
+
+    @property
+    def n_servers(self) -> int:
+        """Inference server processes (one per data-parallel replica)."""
+        return self.inference.data_parallel_size if self.inference else 0
+
+
+def _parse_dims(text: str, component: str) -> ParallelStrategy:
+    sizes: dict[str, int] = {}
+    for letter, number in re.findall(r"([a-z])(\d+)", text):
+        if letter not in _DIM_NAMES:
+            raise AllocationError(
+                f"unknown dimension '{letter}' in '{component}'",
+                "dimensions are d (data), t (tensor), p (pipeline) and c (context)",
+            )
+        if _DIM_NAMES[letter] in sizes:
+            raise AllocationError(
+                f"dimension '{letter}' given twice in '{component}'",
+                "give each of d, t, p, c at most once",
+            )
+        if int(number) < 1:
+            raise AllocationError(
+                f"'{letter}{number}' in '{component}' must be at least 1",
+                f"write {letter}1 or more",
+            )
+        sizes[_DIM_NAMES[letter]] = int(number)
+    return ParallelStrategy(**sizes)
+
+
+def parse_allocation(text: str) -> AllocationMode:
+    """Parse an allocation string; raises AllocationError explaining what is wrong."""
+    example = "write for example embedded:d1+fsdp:d2 or sglang:d4t1+fsdp:d4"
+    if not text or not text.strip():
+        raise AllocationError("allocation_mode is empty", example)
+    found: dict[str, tuple[str, ParallelStrategy]] = {}
+    for component in text.replace(" ", "").split("+"):
+        match = _COMPONENT.match(component)
+        if not match:
+            if ":" not in component:
+                raise AllocationError(f"component '{component}' has no ':dims' part", example)
+            raise AllocationError(
+                f"cannot parse component '{component}'",
+                "use backend:dims with dims like d2t1 (letters d/t/p/c, each followed by a number)",
+            )
+        backend, dims = match.groups()
+        if backend in INFERENCE_BACKENDS:
+            side = "inference"
+        elif backend in TRAIN_BACKENDS:
+            side = "train"
+        else:
+            raise AllocationError(
+                f"unknown backend '{backend}'",
+                did_you_mean(backend, INFERENCE_BACKENDS + TRAIN_BACKENDS),
+            )
+        if side in found:
+            raise AllocationError(
+                f"two {side} components ('{found[side][0]}' and '{backend}')",
+                f"give one {side} component",
+            )
+        found[side] = (backend, _parse_dims(dims, component))
+    inference = found.get("inference")
+    train = found.get("train")
+    mode = AllocationMode(
+        inference_backend=inference[0] if inference else None,
+        inference=inference[1] if inference else None,
+        train_backend=train[0] if train else None,
+        train=train[1] if train else None,
+    )
+    _check_supported(mode)
+    return mode
+
+
+def _check_supported(mode: AllocationMode) -> None:
+    """Reject layouts a backend cannot run, saying why."""
+    train = mode.train
+    if train is not None:
+        if train.pipeline_parallel_size > 1:
+            raise AllocationError(
+                "fsdp cannot do pipeline parallelism (p>1): FSDP shards every layer across all ranks, it has no stages",
+                "use fsdp:dN with N ranks",
+            )
+        if train.context_parallel_size > 1:
+            raise AllocationError(
+                "fsdp context parallelism (c>1) is not supported: the trainer has no ring attention to split sequences across ranks",
+                "use fsdp:dN and bound sequence length with actor.mb_spec.max_tokens_per_mb",
+            )
+        if train.tensor_parallel_size > 1:
+            raise AllocationError(
+                "fsdp tensor parallelism (t>1) is not supported yet: the trainer shards parameters across data-parallel ranks only",
+                "use fsdp:dN, which shards the model over N ranks",
+            )
+    inference = mode.inference
+    if inference is None:
+        return
+    if mode.inference_backend == "embedded" and inference.per_replica_size > 1:
+        raise AllocationError(
+            "the embedded server runs one whole model per process; it has no t, p or c",
+            "use embedded:dN for N servers",
+        )
+    if mode.inference_backend in ("sglang", "vllm") and inference.context_parallel_size > 1:
+        raise AllocationError(
+            f"{mode.inference_backend} context parallelism (c>1) is not supported by areal",
+            f"use {mode.inference_backend}:dNtM",
+        )

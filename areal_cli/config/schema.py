@@ -1,0 +1,461 @@
+"""The recipe schema: typed dataclasses for every section of a recipe.
+
+This is the one place that says which keys exist, their types, defaults, ranges and docs.
+YAML is only data: `loader.load_config` turns a recipe into these classes, and
+`validate.check_config` applies the cross-field rules. `python -m areal_cli.config.reference`
+renders this file into docs/config-reference.md (a test keeps the two in sync).
+
+Names follow AReaL's public vocabulary (`TrainEngineConfig`, `FSDPEngineConfig`,
+`ParallelStrategy`, `SGLangConfig`, `allocation_mode`, `max_staleness`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_cli.config.fields import field, sub
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ClusterSpecConfig:
+    """The machines the launcher may use; a dry run plans against this declaration."""
+
+    name: str = field("local", "A label for this cluster, shown in plans.")
+    fileroot: str = field(
+        "./runs",
+        "Root directory for run outputs: FILEROOT/EXPERIMENT/TRIAL/ (a shared filesystem on clusters).",
+    )
+    n_nodes: int = field(1, "Number of nodes.", ge=1)
+    n_gpus_per_node: int = field(
+        0, "GPUs per node; 0 declares a CPU-only machine (servers and trainer share cores).", ge=0
+    )
+    n_cpus: int = field(
+        0,
+        "CPU cores to split between processes on a CPU-only machine; 0 means all cores seen at launch.",
+        ge=0,
+    )
+
+
+@dataclass
+class LauncherConfig:
+    """How processes are started."""
+
+    type: str = field(
+        "local",
+        "Launcher: local (subprocesses on this machine). slurm and ray are planned.",
+        choices=("local", "slurm", "ray"),
+    )
+    trainer_port: int = field(
+        29500, "Rendezvous port of the torchrun trainer (c10d).", ge=1024, le=65535
+    )
+    inference_base_port: int = field(
+        30000,
+        "Port of the first inference server; server i listens on base + i.",
+        ge=1024,
+        le=65535,
+    )
+    startup_timeout_s: float = field(
+        300.0, "Overall time allowed for every server to become healthy before the run fails.", gt=0
+    )
+    env: dict[str, str] = field(
+        factory=dict, doc="Extra environment variables given to every child process."
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The policy model and its tokenizer."""
+
+    path: str = field(
+        "",
+        "Hugging Face model folder, a hub id already in the local cache, or builtin:tiny / builtin:small (built locally).",
+        path=True,
+    )
+    tokenizer_path: str = field(
+        "", "Tokenizer folder; empty means the same as model.path.", path=True
+    )
+    dtype: str = field("float32", "Parameter dtype of the loaded model.", choices=DTYPES)
+    seed: int = field(1, "Seed for builtin models (their random initialisation).", ge=0)
+
+
+@dataclass
+class OptimizerConfig:
+    """The trainer's optimizer and learning-rate schedule."""
+
+    type: str = field("adamw", "Optimizer.", choices=("adamw", "sgd"))
+    lr: float = field(
+        1e-5, "Peak learning rate.", gt=0, le=1.0, fix="use a small positive value such as 1e-5"
+    )
+    weight_decay: float = field(0.0, "Decoupled weight decay.", ge=0)
+    beta1: float = field(0.9, "Adam beta1.", ge=0, lt=1)
+    beta2: float = field(0.999, "Adam beta2.", ge=0, lt=1)
+    eps: float = field(1e-8, "Adam epsilon.", gt=0)
+    lr_scheduler_type: str = field(
+        "constant",
+        "Learning-rate schedule after warm-up.",
+        choices=("constant", "linear", "cosine"),
+    )
+    warmup_steps_proportion: float = field(
+        0.0, "Fraction of total steps used for linear warm-up.", ge=0, le=1
+    )
+    gradient_clipping: float = field(
+        1.0, "Clip the global gradient norm to this value; 0 disables.", ge=0
+    )
+
+
+@dataclass
+class FSDPWrapPolicy:
+    """Which modules FSDP2 shards as units."""
+
+    transformer_layer_cls_to_wrap: list[str] = field(
+        factory=list,
+        doc="Module class names to shard one by one; empty means the model's _no_split_modules.",
+    )
+
+
+@dataclass
+class FSDPEngineConfig:
+    """FSDP2 settings of the trainer."""
+
+    wrap_policy: FSDPWrapPolicy = sub(FSDPWrapPolicy)
+    offload_params: bool = field(
+        False,
+        "Keep sharded parameters on the CPU between uses (CPUOffloadPolicy); needs an accelerator.",
+    )
+    memory_efficient_load: bool = field(
+        False,
+        "Rank 0 reads the weights and broadcasts them after sharding, instead of every rank reading.",
+    )
+    reshard_after_forward: bool = field(
+        True, "Free gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2)."
+    )
+    param_dtype: str = field(
+        "float32", "Dtype of gathered parameters used in compute (mixed precision).", choices=DTYPES
+    )
+    reduce_dtype: str = field(
+        "float32", "Dtype of gradient reduction across ranks.", choices=DTYPES
+    )
+
+
+@dataclass
+class MicroBatchSpec:
+    """How a trainer step's batch is split into micro-batches."""
+
+    n_mbs: int = field(1, "Minimum number of micro-batches per optimizer step on each rank.", ge=1)
+    max_tokens_per_mb: int = field(
+        8192,
+        "Upper bound on tokens packed into one micro-batch (a longer sequence gets its own).",
+        ge=1,
+    )
+
+
+@dataclass
+class WeightUpdateConfig:
+    """How new policy versions reach the inference servers."""
+
+    method: str = field(
+        "disk",
+        "Transport: disk (versioned HF folders under RUN/weights/). nccl is planned.",
+        choices=("disk", "nccl"),
+    )
+    keep_last: int = field(
+        2, "Keep this many published versions; older ones are garbage-collected.", ge=1
+    )
+
+
+@dataclass
+class TrainEngineConfig:
+    """The actor: FSDP2 trainer, optimizer, micro-batching, weight publication and PPO loss."""
+
+    optimizer: OptimizerConfig = sub(OptimizerConfig)
+    fsdp: FSDPEngineConfig = sub(FSDPEngineConfig)
+    mb_spec: MicroBatchSpec = sub(MicroBatchSpec)
+    weight_update: WeightUpdateConfig = sub(WeightUpdateConfig)
+    gradient_checkpointing: bool = field(False, "Recompute activations in backward to save memory.")
+    ppo_n_minibatches: int = field(
+        1, "Optimizer steps per trainer step (the batch is split into this many).", ge=1
+    )
+    adv_estimator: str = field(
+        "grpo",
+        "Advantage estimator: grpo (group mean/std), dr_grpo (no std), rloo (leave-one-out), reinforce_pp (REINFORCE++ baseline).",
+        choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+    )
+    reward_scaling: float = field(
+        1.0, "Rewards are mapped to (reward + reward_bias) * reward_scaling."
+    )
+    reward_bias: float = field(0.0, "See reward_scaling.")
+    eps_clip: float = field(
+        0.2, "PPO clip range below 1 (and above, unless eps_clip_higher is set).", gt=0, lt=1
+    )
+    eps_clip_higher: float | None = field(
+        None, "Upper clip range (DAPO's clip-higher); null means eps_clip.", gt=0
+    )
+    use_decoupled_loss: bool = field(
+        True,
+        "Decoupled PPO: clip against recomputed proximal logprobs and weight by proximal/behaviour ratio.",
+    )
+    behav_imp_weight_cap: float | None = field(
+        5.0,
+        "Tokens whose proximal/behaviour importance weight exceeds this are dropped; null disables.",
+        gt=1,
+    )
+    kl_ctl: float = field(
+        0.0, "Coefficient of the KL penalty to the reference (initial) policy; 0 disables.", ge=0
+    )
+    kl_estimator: str = field("k3", "KL estimator: k1, k2 or k3.", choices=("k1", "k2", "k3"))
+    loss_agg_mode: str = field(
+        "token_mean", "Loss aggregation over the global batch.", choices=("token_mean", "seq_mean")
+    )
+
+
+@dataclass
+class ParallelStrategy:
+    """One side of an allocation: data, tensor, pipeline and context parallel sizes."""
+
+    data_parallel_size: int = field(1, "Data-parallel replicas (d).", ge=1)
+    tensor_parallel_size: int = field(1, "Tensor-parallel size (t).", ge=1)
+    pipeline_parallel_size: int = field(1, "Pipeline stages (p).", ge=1)
+    context_parallel_size: int = field(1, "Context-parallel size (c).", ge=1)
+
+    @property
+    def world_size(self) -> int:
+        """Devices (or ranks) this side needs."""
+        return (
+            self.data_parallel_size
+            * self.tensor_parallel_size
+            * self.pipeline_parallel_size
+            * self.context_parallel_size
+        )
+
+    @property
+    def per_replica_size(self) -> int:
+        """Devices used by one data-parallel replica (one inference server)."""
+        return self.world_size // self.data_parallel_size
+
+
+@dataclass
+class RolloutConfig:
+    """The asynchronous rollout loop."""
+
+    batch_size: int = field(8, "Prompts per trainer step.", ge=1)
+    group_size: int = field(4, "Samples drawn per prompt (the GRPO group).", ge=1)
+    max_staleness: int = field(
+        1,
+        "A sample started under weight version v may train step s only if s - v <= max_staleness; 0 is synchronous RL.",
+        ge=0,
+        fix="use 0 for synchronous RL or a small positive integer such as 2",
+    )
+    max_concurrent_rollouts: int | None = field(
+        None,
+        "Prompts (groups) in flight at once; null means batch_size * (max_staleness + 1).",
+        ge=1,
+    )
+    workflow: str = field(
+        "single_turn",
+        "Episode workflow: single_turn, multi_turn, or module:function (an async run_episode beside the recipe).",
+    )
+    max_turns: int = field(2, "Turns per episode for the multi_turn workflow.", ge=1)
+    request_timeout_s: float = field(600.0, "Timeout of one /generate request.", gt=0)
+    request_retries: int = field(3, "Retries of a failed request before the run fails.", ge=0)
+
+
+@dataclass
+class GenerationHyperparameters:
+    """Sampling settings sent with every /generate request (SGLang sampling_params)."""
+
+    max_new_tokens: int = field(256, "Maximum tokens generated per sample.", ge=1)
+    temperature: float = field(
+        1.0,
+        "Sampling temperature; 0 means greedy. The trainer computes logprobs at the same temperature.",
+        ge=0,
+    )
+    top_p: float = field(1.0, "Nucleus sampling mass.", gt=0, le=1)
+    top_k: int = field(-1, "Top-k sampling; -1 disables.", ge=-1)
+    stop_token_ids: list[int] = field(
+        factory=list, doc="Extra token ids that end a sample (EOS always does)."
+    )
+    ignore_eos: bool = field(False, "Keep generating past EOS until max_new_tokens.")
+
+
+@dataclass
+class DatasetConfig:
+    """Where prompts and reference answers come from."""
+
+    path: str = field(
+        "",
+        "A .jsonl or .parquet file, or a Hub dataset name already in the local cache.",
+        path=True,
+    )
+    type: str = field(
+        "auto",
+        "Format: auto (from the extension), jsonl, parquet or hub.",
+        choices=("auto", "jsonl", "parquet", "hub"),
+    )
+    split: str = field("train", "Split to read (Hub datasets).")
+    prompt_key: str = field("prompt", "Column holding the prompt text.")
+    answer_key: str = field("answer", "Column holding the reference answer given to the reward.")
+    max_prompt_len: int = field(1024, "Prompts longer than this many tokens are skipped.", ge=1)
+    apply_chat_template: bool = field(True, "Format prompts with the tokenizer's chat template.")
+    system_prompt: str = field("", "Optional system message put before every prompt.")
+    shuffle: bool = field(True, "Shuffle the dataset (with `seed`) at the start of each epoch.")
+    seed: int = field(1, "Shuffle seed.", ge=0)
+
+
+@dataclass
+class RewardConfig:
+    """How samples are scored."""
+
+    fn: str = field(
+        "builtin:exact_match",
+        "builtin:exact_match, builtin:numeric, builtin:math (math-verify), or module:function beside the recipe.",
+    )
+    timeout_s: float = field(
+        10.0, "A reward call that takes longer scores 0 (counted in metrics).", gt=0
+    )
+    num_workers: int = field(1, "Worker processes that compute rewards.", ge=1)
+
+
+@dataclass
+class EmbeddedServerConfig:
+    """The embedded inference server (torch + transformers, CPU or CUDA)."""
+
+    dtype: str = field("float32", "Dtype the server runs the model in.", choices=DTYPES)
+    max_running_requests: int = field(
+        64, "Requests decoded together in one continuous batch.", ge=1
+    )
+    device: str = field(
+        "auto", "auto (CUDA when present), cpu or cuda.", choices=("auto", "cpu", "cuda")
+    )
+
+
+@dataclass
+class SGLangConfig:
+    """Arguments of `python -m sglang.launch_server` (names as in SGLang's server_args.py)."""
+
+    dtype: str = field("bfloat16", "--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    mem_fraction_static: float = field(
+        0.8, "--mem-fraction-static: GPU memory fraction for weights and KV cache.", gt=0, le=1
+    )
+    context_length: int | None = field(None, "--context-length; null uses the model's.", ge=1)
+    max_running_requests: int | None = field(
+        None, "--max-running-requests; null lets SGLang decide.", ge=1
+    )
+    chunked_prefill_size: int | None = field(
+        None, "--chunked-prefill-size; null lets SGLang decide."
+    )
+    attention_backend: str | None = field(
+        None, "--attention-backend (e.g. fa3, flashinfer, triton); null lets SGLang decide."
+    )
+    disable_radix_cache: bool = field(False, "--disable-radix-cache")
+    enable_deterministic_inference: bool = field(False, "--enable-deterministic-inference")
+    random_seed: int | None = field(None, "--random-seed")
+    schedule_policy: str = field(
+        "lpm",
+        "--schedule-policy",
+        choices=("lpm", "random", "fcfs", "dfs-weight", "lof", "priority"),
+    )
+    log_level: str = field("warning", "--log-level", choices=("debug", "info", "warning", "error"))
+    enable_metrics: bool = field(False, "--enable-metrics")
+    skip_server_warmup: bool = field(False, "--skip-server-warmup")
+    trust_remote_code: bool = field(False, "--trust-remote-code")
+
+
+@dataclass
+class InferenceConfig:
+    """Inference servers. The backend itself is chosen by allocation_mode."""
+
+    api_key: str = field(
+        "", "When set, servers require this bearer token on every route but /health."
+    )
+    embedded: EmbeddedServerConfig = sub(EmbeddedServerConfig)
+    sglang: SGLangConfig = sub(SGLangConfig)
+
+
+@dataclass
+class SaverConfig:
+    """Hugging Face checkpoints kept under RUN/checkpoints/."""
+
+    freq_steps: int = field(0, "Save every this many steps; 0 saves only at the end.", ge=0)
+    keep_last: int = field(1, "Keep this many saved checkpoints.", ge=1)
+
+
+@dataclass
+class RecoverConfig:
+    """DCP recover checkpoints used by `areal train --resume`."""
+
+    freq_steps: int = field(
+        1, "Write a recover checkpoint every this many steps; 0 disables.", ge=0
+    )
+    keep_last: int = field(1, "Keep this many recover checkpoints.", ge=1)
+
+
+@dataclass
+class EvalConfig:
+    """`areal eval`: dataset, reward, samples and pass@k."""
+
+    dataset: DatasetConfig = sub(DatasetConfig)
+    reward: RewardConfig = sub(RewardConfig)
+    gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
+    n_samples: int = field(1, "Samples per prompt.", ge=1)
+    k: list[int] = field(
+        factory=lambda: [1], doc="Values of k for pass@k; each must be <= n_samples."
+    )
+    max_prompts: int = field(0, "Evaluate only the first N prompts; 0 means all.", ge=0)
+    seed: int = field(1, "Sampling seed; results are deterministic for a fixed seed.", ge=0)
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (optional)."""
+
+    mode: str = field(
+        "disabled", "disabled, online or offline.", choices=("disabled", "online", "offline")
+    )
+    project: str = field("areal", "wandb project.")
+    entity: str = field("", "wandb entity (team); empty uses your default.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and console output."""
+
+    level: str = field(
+        "info", "Log level of areal's own processes.", choices=("debug", "info", "warning", "error")
+    )
+    display: str = field(
+        "auto",
+        "auto (rich live view on a terminal, plain lines otherwise), rich or plain.",
+        choices=("auto", "rich", "plain"),
+    )
+    tensorboard: bool = field(True, "Also write TensorBoard event files under RUN/tensorboard/.")
+    wandb: WandbConfig = sub(WandbConfig)
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole recipe."""
+
+    experiment_name: str = field(
+        "", "Name of the experiment; the run lives in FILEROOT/EXPERIMENT/TRIAL/."
+    )
+    trial_name: str = field("trial0", "Name of this trial of the experiment.")
+    allocation_mode: str = field(
+        "", "Devices per component, e.g. sglang:d4t1+fsdp:d4 or embedded:d1+fsdp:d2."
+    )
+    seed: int = field(1, "Global seed of the trainer and the rollout loop.", ge=0)
+    total_train_steps: int = field(100, "Trainer steps to run.", ge=1)
+    cluster: ClusterSpecConfig = sub(ClusterSpecConfig)
+    launcher: LauncherConfig = sub(LauncherConfig)
+    model: ModelConfig = sub(ModelConfig)
+    actor: TrainEngineConfig = sub(TrainEngineConfig)
+    rollout: RolloutConfig = sub(RolloutConfig)
+    gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
+    dataset: DatasetConfig = sub(DatasetConfig)
+    reward: RewardConfig = sub(RewardConfig)
+    inference: InferenceConfig = sub(InferenceConfig)
+    saver: SaverConfig = sub(SaverConfig)
+    recover: RecoverConfig = sub(RecoverConfig)
+    eval: EvalConfig = sub(EvalConfig)
+    logging: LoggingConfig = sub(LoggingConfig)

@@ -1,0 +1,465 @@
+"""Cross-field checks of a loaded recipe, all in one place.
+
+`check_config` runs every rule and returns all problems and warnings together. Static
+rules (divisibility, allocation against the declared cluster, paths that look local) run
+for `validate` and `--dry-run`; `launch=True` adds what only a real run needs (model
+weights and datasets present on this machine), so a dry run of a GPU recipe works on a
+laptop.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
+from areal_cli.config.errors import ConfigErrors, ConfigProblem
+from areal_cli.config.loader import LoadedConfig, is_hub_id
+from areal_cli.config.schema import ExperimentConfig
+
+BUILTIN_MODELS = ("tiny", "small")
+BUILTIN_REWARDS = ("exact_match", "numeric", "math")
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class CheckResult:
+    """Problems (fatal) and warnings (printed, not fatal) of one recipe."""
+
+    problems: list[ConfigProblem] = field(default_factory=list)
+    warnings: list[ConfigProblem] = field(default_factory=list)
+    allocation: AllocationMode | None = None
+
+
+class _Checker:
+    def __init__(self, loaded: LoadedConfig):
+        self.loaded = loaded
+        self.cfg: ExperimentConfig = loaded.config
+        self.result = CheckResult()
+
+    def error(self, key: str, message: str, fix: str = "") -> None:
+        self.result.problems.append(ConfigProblem(key, message, fix, self.loaded.where(key)))
+
+    def warn(self, key: str, message: str, fix: str = "") -> None:
+        self.result.warnings.append(ConfigProblem(key, message, fix, self.loaded.where(key)))
+
+
+def check_config(
+    loaded: LoadedConfig, *, command: str = "train", launch: bool = False
+) -> CheckResult:
+    """Run every cross-field rule; `command` is train, eval or validate."""
+    c = _Checker(loaded)
+    _check_names(c)
+    mode = _check_allocation(c, command)
+    c.result.allocation = mode
+    if mode is not None:
+        _check_devices(c, mode)
+        if mode.train is not None:
+            _check_batch(c, mode)
+    _check_rollout(c)
+    _check_model(c, launch)
+    if command in ("train", "validate"):
+        _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
+        _check_callable(c, "reward.fn", c.cfg.reward.fn, BUILTIN_REWARDS)
+        _check_callable(
+            c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
+        )
+    if command == "eval" or c.cfg.eval.dataset.path:
+        _check_dataset(
+            c, "eval.dataset", c.cfg.eval.dataset.path, launch, required=command == "eval"
+        )
+        _check_callable(c, "eval.reward.fn", c.cfg.eval.reward.fn, BUILTIN_REWARDS)
+    _check_eval(c)
+    _check_planned(c)
+    return c.result
+
+
+def raise_on_problems(result: CheckResult) -> None:
+    """Raise ConfigErrors when the check found any problem."""
+    if result.problems:
+        raise ConfigErrors(result.problems)
+
+
+def _check_names(c: _Checker) -> None:
+    for key in ("experiment_name", "trial_name"):
+        value = getattr(c.cfg, key)
+        if not value:
+            c.error(key, "is required (it names the run directory)", f"set {key}: my-run")
+        elif not _NAME.match(value):
+            c.error(
+                key,
+                f"'{value}' is not a safe directory name",
+                "use letters, digits, '.', '_' and '-' only",
+            )
+
+
+def _check_allocation(c: _Checker, command: str) -> AllocationMode | None:
+    try:
+        mode = parse_allocation(c.cfg.allocation_mode)
+    except AllocationError as exc:
+        c.error("allocation_mode", exc.message, exc.fix)
+        return None
+    if mode.inference is None:
+        c.error(
+            "allocation_mode",
+            f"'{c.cfg.allocation_mode}' has no inference component",
+            "add one, e.g. embedded:d1+fsdp:d2",
+        )
+    if command in ("train", "validate") and mode.train is None:
+        c.error(
+            "allocation_mode",
+            f"'{c.cfg.allocation_mode}' has no trainer component",
+            "add one, e.g. +fsdp:d2",
+        )
+    if mode.inference_backend == "vllm":
+        c.error(
+            "allocation_mode",
+            "the vllm backend is planned but not available in this version",
+            "use sglang (GPU) or embedded",
+        )
+    return mode
+
+
+def _check_devices(c: _Checker, mode: AllocationMode) -> None:
+    """Allocation against the declared cluster: GPUs on GPU clusters, cores on CPU ones."""
+    cluster = c.cfg.cluster
+    if c.cfg.launcher.type == "local" and cluster.n_nodes > 1:
+        c.error(
+            "cluster.n_nodes",
+            f"the local launcher runs on one node, but the cluster declares {cluster.n_nodes}",
+            "set cluster.n_nodes: 1 (slurm and ray launchers are planned)",
+        )
+    n_gpus = cluster.n_nodes * cluster.n_gpus_per_node
+    inference_gpus = mode.inference.world_size if mode.inference else 0
+    train_gpus = mode.train.world_size if mode.train else 0
+    if n_gpus == 0:
+        if mode.inference_backend in ("sglang", "vllm"):
+            c.error(
+                "allocation_mode",
+                f"{mode.inference_backend} needs GPUs, but the cluster declares none (cluster.n_gpus_per_node: 0)",
+                "use embedded:dN on a CPU machine, or declare the cluster's GPUs",
+            )
+        needed = mode.n_servers + (1 if mode.train else 0)
+        if cluster.n_cpus and cluster.n_cpus < needed:
+            c.error(
+                "cluster.n_cpus",
+                f"the allocation needs at least {needed} CPU cores (one per inference server and one for the trainer), but the cluster declares {cluster.n_cpus}",
+                "use fewer servers or declare more cores",
+            )
+        if c.cfg.actor.fsdp.offload_params:
+            c.error(
+                "actor.fsdp.offload_params",
+                "needs an accelerator: CPUOffloadPolicy moves parameters to host memory between uses, and on a CPU-only cluster they already live there",
+                "set actor.fsdp.offload_params: false",
+            )
+        return
+    needed = inference_gpus + train_gpus
+    detail = (
+        f"{mode.inference_backend} {inference_gpus} + fsdp {train_gpus}"
+        if mode.train
+        else f"{mode.inference_backend} {inference_gpus}"
+    )
+    if needed > n_gpus:
+        c.error(
+            "allocation_mode",
+            f"'{c.cfg.allocation_mode}' needs {needed} GPUs ({detail}) but the cluster declares {n_gpus} ({cluster.n_nodes} node x {cluster.n_gpus_per_node})",
+            "shrink the allocation or fix cluster.n_gpus_per_node",
+        )
+    elif needed < n_gpus:
+        c.warn(
+            "allocation_mode",
+            f"uses {needed} of the cluster's {n_gpus} GPUs; the rest stay idle",
+            "grow d to use them",
+        )
+    if mode.inference and mode.inference.per_replica_size > cluster.n_gpus_per_node:
+        c.error(
+            "allocation_mode",
+            f"one {mode.inference_backend} server needs {mode.inference.per_replica_size} GPUs but a node has {cluster.n_gpus_per_node}",
+            "lower t or p",
+        )
+
+
+def _check_batch(c: _Checker, mode: AllocationMode) -> None:
+    rollout, actor = c.cfg.rollout, c.cfg.actor
+    dp = mode.train.data_parallel_size
+    n = rollout.batch_size * rollout.group_size
+    shards = dp * actor.ppo_n_minibatches
+    if n % shards:
+        step = shards // _gcd(shards, rollout.group_size)
+        c.error(
+            "rollout.batch_size",
+            f"batch_size x group_size = {rollout.batch_size} x {rollout.group_size} = {n} samples cannot be split evenly over {dp} trainer ranks x {actor.ppo_n_minibatches} minibatches",
+            f"make batch_size a multiple of {step}",
+        )
+    elif n // shards < actor.mb_spec.n_mbs:
+        c.error(
+            "actor.mb_spec.n_mbs",
+            f"each rank gets {n // shards} samples per minibatch, fewer than n_mbs={actor.mb_spec.n_mbs} micro-batches",
+            f"set actor.mb_spec.n_mbs <= {n // shards}",
+        )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _check_rollout(c: _Checker) -> None:
+    rollout, actor = c.cfg.rollout, c.cfg.actor
+    if actor.adv_estimator in ("grpo", "dr_grpo", "rloo") and rollout.group_size < 2:
+        c.error(
+            "rollout.group_size",
+            f"{actor.adv_estimator} compares samples within a group; with group_size 1 every advantage is zero",
+            "set rollout.group_size >= 2",
+        )
+    cap = rollout.batch_size * (rollout.max_staleness + 1)
+    if rollout.max_concurrent_rollouts is not None and rollout.max_concurrent_rollouts > cap:
+        c.warn(
+            "rollout.max_concurrent_rollouts",
+            f"{rollout.max_concurrent_rollouts} exceeds batch_size x (max_staleness + 1) = {cap}; the staleness gate never lets more than that run",
+            f"set it <= {cap} or raise rollout.max_staleness",
+        )
+    if c.cfg.gconfig.temperature == 0 and rollout.group_size > 1:
+        c.warn(
+            "gconfig.temperature",
+            "greedy sampling gives every sample of a group the same answer, so advantages are zero",
+            "use a temperature such as 1.0",
+        )
+    higher = actor.eps_clip_higher
+    if higher is not None and higher < actor.eps_clip:
+        c.warn(
+            "actor.eps_clip_higher",
+            f"{higher} is below eps_clip {actor.eps_clip}; DAPO's clip-higher is meant to be larger",
+            "raise it or leave it null",
+        )
+    context = c.cfg.inference.sglang.context_length
+    total = c.cfg.dataset.max_prompt_len + c.cfg.gconfig.max_new_tokens
+    if context is not None and total > context:
+        c.error(
+            "inference.sglang.context_length",
+            f"{context} is shorter than dataset.max_prompt_len + gconfig.max_new_tokens = {total}",
+            f"raise it to at least {total}",
+        )
+    if c.cfg.launcher.trainer_port in range(
+        c.cfg.launcher.inference_base_port, c.cfg.launcher.inference_base_port + 64
+    ):
+        c.error(
+            "launcher.trainer_port",
+            f"{c.cfg.launcher.trainer_port} collides with the inference server ports starting at {c.cfg.launcher.inference_base_port}",
+            "pick a port outside that range",
+        )
+
+
+def _check_model(c: _Checker, launch: bool) -> None:
+    path = c.cfg.model.path
+    if not path:
+        c.error("model.path", "is required", "give a Hugging Face model folder or builtin:tiny")
+        return
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        if name not in BUILTIN_MODELS:
+            c.error(
+                "model.path",
+                f"unknown builtin model '{name}'",
+                f"use one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}",
+            )
+        return
+    model_dir = _local_or_cached(c, "model.path", path, launch, "model")
+    if model_dir is None:
+        return
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        c.error(
+            "model.path",
+            f"{path} has no config.json, so it is not a Hugging Face model folder",
+            "point it at the folder that holds config.json and the safetensors files",
+        )
+        return
+    tokenizer = c.cfg.model.tokenizer_path or path
+    tok_dir = (
+        _local_or_cached(c, "model.tokenizer_path", tokenizer, launch, "tokenizer")
+        if tokenizer != path
+        else model_dir
+    )
+    if tok_dir is not None:
+        _check_tokenizer_fits(c, config_file, tok_dir)
+
+
+def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str) -> Path | None:
+    """A local folder for `value`, or None (after an error, or a warning for hub ids)."""
+    if Path(value).exists():
+        return Path(value)
+    if is_hub_id(value):
+        cached = _hub_cache_dir(value, "models" if what != "dataset" else "datasets")
+        if cached is not None:
+            return cached
+        message = f"'{value}' is not on this machine (areal never downloads at run time)"
+        repo_type = "--repo-type dataset " if what == "dataset" else ""
+        fix = f"download it beforehand (`hf download {repo_type}{value}`) or give a local path"
+        (c.error if launch else c.warn)(key, message, fix)
+        return None
+    c.error(
+        key,
+        f"{what} path does not exist: {value}",
+        "check the path (relative paths count from the recipe's folder)",
+    )
+    return None
+
+
+def _hub_cache_dir(repo_id: str, kind: str) -> Path | None:
+    root = Path(
+        os.environ.get("HF_HUB_CACHE")
+        or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
+    )
+    snapshots = root / f"{kind}--{repo_id.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*")) if snapshots.is_dir() else []
+    return found[-1] if found else None
+
+
+def _check_tokenizer_fits(c: _Checker, config_file: Path, tok_dir: Path) -> None:
+    """The tokenizer must not produce ids beyond the model's embedding table."""
+    tok_file = tok_dir / "tokenizer.json"
+    try:
+        vocab_size = json.loads(config_file.read_text()).get("vocab_size")
+        if not tok_file.is_file() or not isinstance(vocab_size, int):
+            return
+        tok = json.loads(tok_file.read_text())
+    except (OSError, ValueError):
+        c.error(
+            "model.path",
+            f"cannot read {config_file} or {tok_file} as JSON",
+            "re-save the model with save_pretrained",
+        )
+        return
+    ids = (
+        list((tok.get("model") or {}).get("vocab", {}).values())
+        if isinstance((tok.get("model") or {}).get("vocab"), dict)
+        else []
+    )
+    ids += [t.get("id", 0) for t in tok.get("added_tokens", [])]
+    largest = max(ids, default=-1)
+    if largest >= vocab_size:
+        c.error(
+            "model.tokenizer_path",
+            f"the tokenizer produces token id {largest} but the model embeds only {vocab_size} tokens",
+            "use the tokenizer that was saved with this model",
+        )
+
+
+def _check_dataset(c: _Checker, key: str, path: str, launch: bool, *, required: bool) -> None:
+    if not path:
+        if required:
+            c.error(f"{key}.path", "is required", "give a .jsonl or .parquet file")
+        return
+    dtype = c.cfg.dataset.type if key == "dataset" else c.cfg.eval.dataset.type
+    if Path(path).exists():
+        suffix = Path(path).suffix
+        if (
+            dtype == "auto"
+            and suffix not in (".jsonl", ".json", ".parquet")
+            and not Path(path).is_dir()
+        ):
+            c.error(
+                f"{key}.path",
+                f"cannot tell the format of '{Path(path).name}' from its extension",
+                f"set {key}.type to jsonl or parquet",
+            )
+        return
+    _local_or_cached(c, f"{key}.path", path, launch, "dataset")
+
+
+def _check_callable(
+    c: _Checker, key: str, spec: str, builtins: tuple[str, ...], builtin_prefix: bool = True
+) -> None:
+    """`builtin:name` (or a bare builtin name) or `module:function` found beside the recipe."""
+    if builtin_prefix and spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1]
+        if name not in builtins:
+            c.error(
+                key,
+                f"unknown builtin '{name}'",
+                f"use one of: {', '.join('builtin:' + b for b in builtins)}",
+            )
+        return
+    if not builtin_prefix and spec in builtins:
+        return
+    module, sep, func = spec.partition(":")
+    if not sep or not module or not func.isidentifier():
+        choices = ", ".join(("builtin:" if builtin_prefix else "") + b for b in builtins)
+        c.error(
+            key,
+            f"'{spec}' is neither a builtin nor module:function",
+            f"use one of {choices}, or my_module:my_function beside the recipe",
+        )
+        return
+    source = _find_module_file(module, c.loaded.recipe.resolve().parent)
+    if source is None:
+        c.error(
+            key,
+            f"module '{module}' not found",
+            f"put {module.replace('.', '/')}.py next to the recipe or install it",
+        )
+        return
+    if source.suffix == ".py" and func not in _top_level_functions(source):
+        c.error(key, f"{source.name} defines no function '{func}'", "check the function name")
+
+
+def _find_module_file(module: str, recipe_dir: Path) -> Path | None:
+    local = recipe_dir / (module.replace(".", "/") + ".py")
+    if local.is_file():
+        return local
+    if module.split(".")[0] in sys.modules or "." not in module:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        return Path(spec.origin) if spec and spec.origin else None
+    return None
+
+
+def _top_level_functions(source: Path) -> set[str]:
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return set()
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+
+
+def _check_eval(c: _Checker) -> None:
+    ev = c.cfg.eval
+    for i, k in enumerate(ev.k):
+        if k < 1 or k > ev.n_samples:
+            c.error(
+                f"eval.k[{i}]",
+                f"pass@{k} needs 1 <= k <= n_samples ({ev.n_samples})",
+                f"raise eval.n_samples to at least {k} or drop k={k}",
+            )
+
+
+def _check_planned(c: _Checker) -> None:
+    if c.cfg.launcher.type != "local":
+        c.error(
+            "launcher.type",
+            f"the {c.cfg.launcher.type} launcher is planned but not available in this version",
+            "use launcher.type: local",
+        )
+    if c.cfg.actor.weight_update.method != "disk":
+        c.error(
+            "actor.weight_update.method",
+            "nccl weight sync is planned but not available in this version",
+            "use method: disk",
+        )

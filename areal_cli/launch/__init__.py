@@ -1,0 +1,1 @@
+"""Launch plans (pure) and the runners that execute them."""

@@ -1,0 +1,36 @@
+"""Render a LaunchPlan for people: a rich table plus each command line and environment."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.console import Console
+from rich.table import Table
+
+from areal_cli.launch.plan import REDACTED, LaunchPlan
+
+
+def print_plan(plan: LaunchPlan, console: Console, *, secret: str = "") -> None:
+    """Print processes, devices, ports, logs, command lines and directories."""
+    console.print(
+        f"[bold]Launch plan[/bold] {plan.experiment_name}/{plan.trial_name}  "
+        f"allocation [cyan]{plan.allocation_mode}[/cyan] on {plan.device_type}"
+    )
+    table = Table(show_lines=False)
+    for column in ("process", "role", "devices", "ports", "log"):
+        table.add_column(column, overflow="fold")
+    table.add_row(
+        "controller", "this process (areal train)", "-", "-", f"{plan.run_dir}/logs/controller.log"
+    )
+    for proc in plan.processes:
+        table.add_row(proc.name, proc.role, proc.devices, ",".join(map(str, proc.ports)), proc.log)
+    console.print(table)
+    for proc in plan.processes:
+        argv = [REDACTED if secret and a == secret else a for a in proc.argv]
+        console.print(f"[bold]{proc.name}[/bold] command:", soft_wrap=True)
+        console.print("  " + shlex.join(argv), soft_wrap=True, markup=False, highlight=False)
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items()))
+        console.print(f"  env: {env}", soft_wrap=True, markup=False, highlight=False)
+    console.print("[bold]Directories[/bold] (created by a real run, not by --dry-run):")
+    for directory in plan.dirs:
+        console.print(f"  {directory}", markup=False, highlight=False)

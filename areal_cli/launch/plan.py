@@ -1,0 +1,345 @@
+"""The launch plan: a pure function from a checked config to every process and directory.
+
+`build_plan` starts nothing and touches no file. It takes what it needs from the machine
+(the Python interpreter, the CPU count when the cluster does not declare one) as
+arguments, so the same config always gives the same plan, and tests compare plans
+directly. Runners (local now; slurm and ray later) only execute a plan.
+
+Devices: on a GPU cluster, inference servers get the first GPUs and the trainer the next
+ones, disjoint, through CUDA_VISIBLE_DEVICES. On a CPU cluster, cores are split in two
+halves (inference side first, at least one core each side) and pinned with CPU affinity;
+each process's torch thread count matches its share of cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_cli.config.allocation import AllocationMode
+from areal_cli.config.schema import ExperimentConfig
+
+RUN_SUBDIRS = ("logs", "rollouts", "weights", "checkpoints", "recover", "eval")
+REDACTED = "<redacted>"
+
+
+@dataclass
+class ProcessSpec:
+    """One child process: how to start it and what it may use."""
+
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+    gpus: list[int] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+
+    @property
+    def devices(self) -> str:
+        """Human-readable device assignment."""
+        if self.gpus:
+            return "gpu " + ",".join(map(str, self.gpus))
+        return "cpu " + _ranges(self.cpus)
+
+
+@dataclass
+class LaunchPlan:
+    """Everything a runner needs: processes, directories and files of one run."""
+
+    experiment_name: str
+    trial_name: str
+    run_dir: str
+    device_type: str
+    allocation_mode: str
+    dirs: list[str]
+    files: list[str]
+    processes: list[ProcessSpec]
+
+    def to_dict(self, *, secret: str = "") -> dict:
+        """A JSON-ready dict; `secret` (an API key) is replaced by <redacted>."""
+        data = dataclasses.asdict(self)
+        if secret:
+            for proc in data["processes"]:
+                proc["argv"] = [REDACTED if a == secret else a for a in proc["argv"]]
+                proc["env"] = {k: REDACTED if v == secret else v for k, v in proc["env"].items()}
+        return data
+
+    def to_json(self, *, secret: str = "") -> str:
+        """The plan as pretty JSON (what plan.json holds)."""
+        return json.dumps(self.to_dict(secret=secret), indent=2)
+
+
+def _ranges(items: list[int]) -> str:
+    if not items:
+        return "-"
+    if items == list(range(items[0], items[-1] + 1)) and len(items) > 1:
+        return f"{items[0]}-{items[-1]}"
+    return ",".join(map(str, items))
+
+
+def run_dir_of(cfg: ExperimentConfig) -> Path:
+    """FILEROOT/EXPERIMENT/TRIAL, absolute."""
+    return (
+        Path(cfg.cluster.fileroot).expanduser() / cfg.experiment_name / cfg.trial_name
+    ).absolute()
+
+
+def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
+    """Where servers and trainer load the initial weights from (builtins are built in RUN/model)."""
+    if cfg.model.path.startswith("builtin:"):
+        return str(run_dir / "model")
+    return cfg.model.path
+
+
+def build_plan(
+    cfg: ExperimentConfig,
+    mode: AllocationMode,
+    *,
+    python: str = sys.executable,
+    cpu_count: int | None = None,
+) -> LaunchPlan:
+    """Plan a training run; pure apart from the defaults of `python` and `cpu_count`."""
+    run_dir = run_dir_of(cfg)
+    device_type = "cuda" if cfg.cluster.n_gpus_per_node > 0 else "cpu"
+    n_cpus = cfg.cluster.n_cpus or cpu_count or os.cpu_count() or 1
+    server_devices, trainer_devices = _assign_devices(mode, device_type, n_cpus)
+    base_env = {"PYTHONUNBUFFERED": "1", "AREAL_RUN_DIR": str(run_dir), **cfg.launcher.env}
+    processes = [
+        _server_process(cfg, mode, i, devices, run_dir, python, base_env, device_type)
+        for i, devices in enumerate(server_devices)
+    ]
+    if mode.train is not None:
+        processes.append(
+            _trainer_process(cfg, mode, trainer_devices, run_dir, python, base_env, device_type)
+        )
+    return LaunchPlan(
+        experiment_name=cfg.experiment_name,
+        trial_name=cfg.trial_name,
+        run_dir=str(run_dir),
+        device_type=device_type,
+        allocation_mode=cfg.allocation_mode,
+        dirs=[str(run_dir)] + [str(run_dir / d) for d in RUN_SUBDIRS],
+        files=[
+            str(run_dir / f)
+            for f in ("config.yaml", "plan.json", "metrics.jsonl", "logs/controller.log")
+        ],
+        processes=processes,
+    )
+
+
+def _assign_devices(
+    mode: AllocationMode, device_type: str, n_cpus: int
+) -> tuple[list[list[int]], list[int]]:
+    """Per-server device lists and the trainer's list (GPU ids or CPU cores)."""
+    n_servers = mode.n_servers
+    if device_type == "cuda":
+        per_server = mode.inference.per_replica_size if mode.inference else 0
+        servers = [list(range(i * per_server, (i + 1) * per_server)) for i in range(n_servers)]
+        first = n_servers * per_server
+        trainer = list(range(first, first + (mode.train.world_size if mode.train else 0)))
+        return servers, trainer
+    cores = list(range(n_cpus))
+    if mode.train is None:
+        return _split(cores, n_servers), []
+    n_inference = max(n_servers, min(n_cpus - 1, n_cpus // 2))
+    return _split(cores[:n_inference], n_servers), cores[n_inference:] or cores[-1:]
+
+
+def _split(cores: list[int], parts: int) -> list[list[int]]:
+    """Split cores into `parts` contiguous groups (sharing when there are too few)."""
+    if parts == 0:
+        return []
+    if len(cores) < parts:
+        return [[cores[i % len(cores)]] for i in range(parts)]
+    size = len(cores) // parts
+    return [
+        cores[i * size : (i + 1) * size] if i < parts - 1 else cores[i * size :]
+        for i in range(parts)
+    ]
+
+
+def _thread_env(n_threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(n_threads), "MKL_NUM_THREADS": str(n_threads)}
+
+
+def _server_process(
+    cfg: ExperimentConfig,
+    mode: AllocationMode,
+    index: int,
+    devices: list[int],
+    run_dir: Path,
+    python: str,
+    base_env: dict[str, str],
+    device_type: str,
+) -> ProcessSpec:
+    port = cfg.launcher.inference_base_port + index
+    model = initial_model_path(cfg, run_dir)
+    if mode.inference_backend == "sglang":
+        argv = [python, "-m", "sglang.launch_server", *sglang_args(cfg, mode, model, port, index)]
+    else:
+        argv = [
+            python,
+            "-m",
+            "areal_cli.inference.server",
+            *embedded_args(cfg, model, port, index, device_type),
+        ]
+    env = dict(base_env)
+    gpus: list[int] = []
+    cpus: list[int] = []
+    if device_type == "cuda":
+        gpus = devices
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    else:
+        cpus = devices
+        env.update(_thread_env(len(devices)))
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return ProcessSpec(
+        name=f"server-{index}",
+        role=f"inference ({mode.inference_backend})",
+        argv=argv,
+        env=env,
+        log=str(run_dir / "logs" / f"server-{index}.log"),
+        gpus=gpus,
+        cpus=cpus,
+        ports=[port],
+    )
+
+
+def sglang_args(
+    cfg: ExperimentConfig, mode: AllocationMode, model: str, port: int, index: int
+) -> list[str]:
+    """Flags for `python -m sglang.launch_server`, named as in SGLang's server_args.py."""
+    s = cfg.inference.sglang
+    strategy = mode.inference
+    args = [
+        "--model-path",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tp-size",
+        str(strategy.tensor_parallel_size),
+        "--pp-size",
+        str(strategy.pipeline_parallel_size),
+        "--base-gpu-id",
+        "0",
+        "--dtype",
+        s.dtype,
+        "--mem-fraction-static",
+        str(s.mem_fraction_static),
+        "--random-seed",
+        str(s.random_seed if s.random_seed is not None else cfg.seed + index),
+        "--schedule-policy",
+        s.schedule_policy,
+        "--log-level",
+        s.log_level,
+        "--weight-version",
+        "0",
+    ]
+    optional = {
+        "--context-length": s.context_length,
+        "--max-running-requests": s.max_running_requests,
+        "--chunked-prefill-size": s.chunked_prefill_size,
+        "--attention-backend": s.attention_backend,
+        "--tokenizer-path": cfg.model.tokenizer_path or None,
+        "--api-key": cfg.inference.api_key or None,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            args += [flag, str(value)]
+    switches = {
+        "--disable-radix-cache": s.disable_radix_cache,
+        "--enable-deterministic-inference": s.enable_deterministic_inference,
+        "--enable-metrics": s.enable_metrics,
+        "--skip-server-warmup": s.skip_server_warmup,
+        "--trust-remote-code": s.trust_remote_code,
+    }
+    return args + [flag for flag, on in switches.items() if on]
+
+
+def embedded_args(
+    cfg: ExperimentConfig, model: str, port: int, index: int, device_type: str
+) -> list[str]:
+    """Flags of the embedded server (areal_cli.inference.server); a subset of SGLang's."""
+    e = cfg.inference.embedded
+    device = e.device if e.device != "auto" else device_type
+    args = [
+        "--model-path",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        e.dtype,
+        "--weight-version",
+        "0",
+        "--max-running-requests",
+        str(e.max_running_requests),
+        "--random-seed",
+        str(cfg.seed + index),
+        "--device",
+        device,
+    ]
+    if cfg.inference.api_key:
+        args += ["--api-key", cfg.inference.api_key]
+    return args
+
+
+def _trainer_process(
+    cfg: ExperimentConfig,
+    mode: AllocationMode,
+    devices: list[int],
+    run_dir: Path,
+    python: str,
+    base_env: dict[str, str],
+    device_type: str,
+) -> ProcessSpec:
+    nproc = mode.train.world_size
+    port = cfg.launcher.trainer_port
+    torchrun = str(Path(python).parent / "torchrun")
+    argv = [
+        torchrun,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "-m",
+        "areal_cli.trainer.main",
+        "--config",
+        str(run_dir / "config.yaml"),
+    ]
+    env = dict(base_env)
+    if device_type == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        return ProcessSpec(
+            "trainer",
+            "trainer (fsdp, nccl)",
+            argv,
+            env,
+            str(run_dir / "logs" / "trainer.log"),
+            gpus=devices,
+            ports=[port],
+        )
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(_thread_env(max(1, len(devices) // nproc)))
+    return ProcessSpec(
+        "trainer",
+        "trainer (fsdp, gloo)",
+        argv,
+        env,
+        str(run_dir / "logs" / "trainer.log"),
+        cpus=devices,
+        ports=[port],
+    )

@@ -1,0 +1,338 @@
+"""RL losses for policy training: advantages, (decoupled) PPO, KL penalty, aggregation.
+
+Tensor conventions
+------------------
+* Per-token functions are elementwise, so they accept either layout:
+  - packed: 1-D ``[T]`` tensors, several sequences concatenated, with ``seq_ids[t]`` = index
+    (0..n-1, local to the micro-batch) of the sequence token ``t`` belongs to;
+  - padded: ``[B, S]`` tensors, row ``b`` is sequence ``b`` (``seq_ids`` may then be omitted).
+* ``loss_mask`` is 1 (or True) on generated tokens that are trained, 0 elsewhere (prompt, padding).
+  Values at masked-out positions are ignored and may be garbage (even ``inf``/``nan`` logprobs):
+  they are replaced before any ``exp`` so they cannot leak NaNs into values or gradients.
+* Logprobs are *token-aligned*: ``logp[t] = log p(token[t] | tokens[<t])``, so the loss mask,
+  the inference server's behaviour logprobs and the trainer's logprobs all index the same token.
+  :func:`token_logprobs` produces this alignment from model logits.
+* Stats are detached 0-d tensors (ready for all-reduce), 0 when the mask is empty.
+* Per-token losses returned here are already zero outside the mask; reduce them with
+  :func:`aggregate_loss` and a global normalizer from :func:`loss_normalizer`.
+"""
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAggMode = Literal["token_mean", "seq_mean"]
+Stats = dict[str, torch.Tensor]
+
+ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+LOSS_AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum(x * m) / max(sum(m), 1), detached; 0 for an empty mask."""
+    m = mask.bool()
+    x = x.detach()
+    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """max of x over the mask, detached; 0 for an empty mask."""
+    m = mask.bool()
+    if not bool(m.any()):
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return x.detach()[m].max()
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32 for numerically safe softmax; fp32/fp64 unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _resolve_seq_ids(mask: torch.Tensor, seq_ids: torch.Tensor | None) -> torch.Tensor:
+    """Sequence index per token; padded [B, S] layouts default to the row index."""
+    if seq_ids is not None:
+        if seq_ids.shape != mask.shape:
+            raise ValueError(f"seq_ids shape {tuple(seq_ids.shape)} != mask {tuple(mask.shape)}")
+        return seq_ids.long()
+    if mask.dim() != 2:
+        raise ValueError("seq_ids is required for packed (non-[B, S]) tensors")
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    return rows.unsqueeze(-1).expand_as(mask)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    estimator: AdvEstimator = "grpo",
+    reward_scaling: float = 1.0,
+    reward_bias: float = 0.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-sequence advantages from scalar rewards ``[N]``; ``group_size`` consecutive samples share a prompt.
+
+    Rewards are first transformed as ``r' = (r + reward_bias) * reward_scaling``. Then, per group g
+    with mean ``mu_g`` and *population* std ``sigma_g = sqrt(mean((r - mu_g)^2))`` (``unbiased=False``,
+    so a group of identical rewards gives advantage 0, never NaN):
+
+    * ``grpo``:         ``A = (r - mu_g) / (sigma_g + eps)``
+    * ``dr_grpo``:      ``A = r - mu_g``  (Dr. GRPO: no std division)
+    * ``rloo``:         ``A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mu_g)``  (needs G >= 2)
+    * ``reinforce_pp``: ``A = (r - mu_g) / (sigma_batch + eps)`` with ``sigma_batch`` the population
+      std of the group-centred values over all N samples (REINFORCE++ with group baseline). Their
+      batch mean is exactly 0, so whitening reduces to this division. Pass the *global* batch.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards are not divisible into groups of {group_size}")
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown adv_estimator {estimator!r}; choose from {ADV_ESTIMATORS}")
+    r = rewards.detach()
+    # Integer/bool rewards (e.g. 0/1 correctness) need a float dtype before centring.
+    r = r if r.is_floating_point() else r.to(torch.get_default_dtype())
+    r = (r + reward_bias) * reward_scaling
+    groups = r.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if estimator == "grpo":
+        adv = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
+    elif estimator == "dr_grpo":
+        adv = centred
+    elif estimator == "rloo":
+        if group_size < 2:
+            raise ValueError("rloo needs group_size >= 2 (leave-one-out baseline)")
+        adv = centred * (group_size / (group_size - 1))
+    else:
+        adv = centred / (centred.std(unbiased=False) + eps)
+    return adv.reshape(-1)
+
+
+def broadcast_to_tokens(
+    seq_values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token tensor ``v[t] = seq_values[seq_ids[t]] * loss_mask[t]`` (padded: ``v[b, s] = seq_values[b] * m[b, s]``)."""
+    ids = _resolve_seq_ids(loss_mask, seq_ids)
+    vals = seq_values.to(ids.device)[ids]
+    return torch.where(loss_mask.bool(), vals, torch.zeros_like(vals))
+
+
+# ----------------------------------------------------------------------------- PPO
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """Clipped PPO surrogate per token.
+
+    ``ratio = exp(logp - old_logp)``,
+    ``loss = -min(ratio * A, clip(ratio, 1 - eps_clip, 1 + eps_clip_higher) * A)``;
+    ``eps_clip_higher`` defaults to ``eps_clip`` (DAPO decoupled clip when larger).
+    Stats over masked tokens: ``clip_frac`` (the clipped branch is strictly the active one, i.e.
+    the token gets no gradient), ``ratio_mean``, ``ratio_max``.
+    """
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    m = loss_mask.bool()
+    # Masked-out positions may hold garbage; zeroing the log-ratio keeps exp() finite there.
+    log_ratio = torch.where(m, logp - old_logp.detach(), torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.where(m, torch.maximum(unclipped, clipped), torch.zeros_like(unclipped))
+    stats: Stats = {
+        "clip_frac": _masked_mean((clipped > unclipped).to(ratio.dtype), m),
+        "ratio_mean": _masked_mean(ratio, m),
+        "ratio_max": _masked_max(ratio, m),
+    }
+    return loss, stats
+
+
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """Decoupled PPO (AReaL): clip against the proximal policy, reweight for the stale behaviour policy.
+
+    ``w = exp(prox_logp - behav_logp)`` (no grad), ``loss = w * ppo_loss(logp, prox_logp)``.
+    Tokens with ``w > behav_imp_weight_cap`` are *dropped*: their loss is 0 (weight 0), as in AReaL;
+    they stay in the normalizer, which is fixed from the loss mask before the forward pass.
+    ``None`` disables the cap. Clip/ratio stats cover the kept tokens; stats add ``imp_weight_mean``/``imp_weight_max`` over the loss mask
+    (before dropping, so outliers stay visible) and ``imp_weight_drop_frac``.
+    """
+    m = loss_mask.bool()
+    log_w = torch.where(m, (prox_logp - behav_logp).detach(), torch.zeros_like(logp).detach())
+    w = torch.exp(log_w)
+    keep = m if behav_imp_weight_cap is None else m & (w <= behav_imp_weight_cap)
+    pg_loss, stats = ppo_policy_loss(
+        logp, prox_logp, advantages, keep, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher
+    )
+    loss = pg_loss * torch.where(keep, w, torch.zeros_like(w))
+    stats.update(
+        {
+            "imp_weight_mean": _masked_mean(w, m),
+            "imp_weight_max": _masked_max(w, m),
+            "imp_weight_drop_frac": _masked_mean((m & ~keep).to(w.dtype), m),
+        }
+    )
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------- KL
+
+
+def kl_estimate(
+    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi, with ``d = logp - ref_logp``.
+
+    ``k1 = d``; ``k2 = d^2 / 2``; ``k3 = exp(-d) + d - 1`` (= ``exp(ref - logp) - (ref - logp) - 1``,
+    unbiased and always >= 0).
+    """
+    d = logp - ref_logp.detach()
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        return torch.exp(-d) + d - 1.0
+    raise ValueError(f"unknown kl estimator {estimator!r}; choose from {KL_ESTIMATORS}")
+
+
+def kl_penalty(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    kl_ctl: float,
+    estimator: KLEstimator = "k3",
+) -> torch.Tensor:
+    """Per-token penalty ``kl_ctl * k(logp, ref_logp)``, zero outside the mask; add it to the token loss."""
+    m = loss_mask.bool()
+    # Zero d at masked-out positions so exp(-d) in k3 cannot overflow on garbage values.
+    safe_logp = torch.where(m, logp, ref_logp.detach())
+    kl = kl_estimate(safe_logp, ref_logp, estimator)
+    return torch.where(m, kl_ctl * kl, torch.zeros_like(kl))
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def loss_normalizer(
+    loss_masks: torch.Tensor | Sequence[torch.Tensor],
+    mode: LossAggMode = "token_mean",
+    seq_ids: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+) -> int:
+    """Global normalizer for :func:`aggregate_loss` over all micro-batches of a global batch.
+
+    ``token_mean``: total number of loss tokens. ``seq_mean``: number of sequences with at least
+    one loss token (sequences with none contribute nothing and are not counted). Pass every
+    micro-batch of this rank; under data parallelism all-reduce (sum) the result across ranks.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {LOSS_AGG_MODES}")
+    masks = [loss_masks] if isinstance(loss_masks, torch.Tensor) else list(loss_masks)
+    if seq_ids is None or isinstance(seq_ids, torch.Tensor):
+        ids_list: list[torch.Tensor | None] = [seq_ids] * len(masks)
+    else:
+        ids_list = list(seq_ids)
+    if len(ids_list) != len(masks):
+        raise ValueError("need one seq_ids entry per loss mask")
+    total = 0
+    for mask, ids in zip(masks, ids_list, strict=True):
+        m = mask.bool()
+        if mode == "token_mean":
+            total += int(m.sum())
+        else:
+            total += int(torch.unique(_resolve_seq_ids(mask, ids)[m]).numel())
+    return total
+
+
+def aggregate_loss(
+    loss_tok: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: float,
+    mode: LossAggMode = "token_mean",
+    seq_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses of one micro-batch to a scalar share of the global-batch loss.
+
+    ``token_mean``: ``sum_t m_t l_t / N_tok``. ``seq_mean``: ``sum_s mean_{t in s, m_t} l_t / N_seq``.
+    With ``normalizer`` the *global* N (from :func:`loss_normalizer`), summing this over any split of
+    the batch into micro-batches (sequences kept whole) equals the whole-batch value, gradients too.
+    """
+    if normalizer <= 0:
+        # An all-masked batch: return a graph-connected zero so backward() still works.
+        return loss_tok.sum() * 0.0
+    m = loss_mask.bool()
+    masked = torch.where(m, loss_tok, torch.zeros_like(loss_tok))
+    if mode == "token_mean":
+        return masked.sum() / normalizer
+    if mode != "seq_mean":
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {LOSS_AGG_MODES}")
+    ids = _resolve_seq_ids(loss_mask, seq_ids).reshape(-1)
+    n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    sums = masked.new_zeros(n_seq).index_add(0, ids, masked.reshape(-1))
+    counts = masked.new_zeros(n_seq).index_add(0, ids, m.reshape(-1).to(masked.dtype))
+    return (sums / counts.clamp(min=1)).sum() / normalizer
+
+
+# ----------------------------------------------------------------------------- logits
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-aligned logprobs ``out[t] = log_softmax(logits[t-1] / T)[input_ids[t]]``.
+
+    Logits at position t predict token t+1, so each token is scored by the previous position.
+    The first token of each sequence has no prediction and gets 0 (it is a prompt token, never
+    trained). Layouts: padded ``logits [..., S, V]`` with ``input_ids [..., S]``; or packed
+    ``logits [T, V]``, ``input_ids [T]`` with ``cu_seqlens [n+1]`` marking sequence starts, whose
+    positions would otherwise be scored by the previous sequence's last logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = _upcast(logits[..., :-1, :]) / temperature
+    target = input_ids[..., 1:].long().unsqueeze(-1)
+    # logsumexp + gather avoids materialising a second [T, V] log_softmax tensor.
+    lp = scaled.gather(-1, target).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    # Built from the shape, not lp[..., :1], which is empty for a one-token sequence.
+    first = lp.new_zeros((*lp.shape[:-1], 1))
+    out = torch.cat([first, lp], dim=-1)
+    if cu_seqlens is not None:
+        if input_ids.dim() != 1:
+            raise ValueError("cu_seqlens requires packed 1-D input_ids")
+        starts = cu_seqlens[:-1].long().to(out.device)
+        starts = starts[starts < out.shape[-1]]
+        out = out.index_fill(-1, starts, 0.0)
+    return out
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-position entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` with ``z = logits / T``; for logging."""
+    z = _upcast(logits) / temperature
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)

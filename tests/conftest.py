@@ -1,0 +1,37 @@
+"""Shared test helpers: run the real `areal` CLI, and snapshot a directory tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_areal(
+    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Run `python -m areal_cli.cli ARGS` as a user would; returns the finished process."""
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "areal_cli.cli", *args],
+        cwd=cwd or REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def snapshot(root: Path) -> dict[str, float]:
+    """Every file and directory under root with its mtime, to prove nothing was written."""
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def areal():
+    return run_areal

@@ -1,0 +1,88 @@
+"""The user-facing surface: help, lazy imports, validate, dry runs, the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_areal, snapshot
+
+RECIPES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "recipes").glob("*.yaml"))
+
+
+def test_help_lists_commands() -> None:
+    result = run_areal("--help")
+    assert result.returncode == 0
+    for command in ("validate", "train"):
+        assert command in result.stdout
+
+
+def test_train_help_is_frozen() -> None:
+    result = run_areal("train", "--help")
+    for option in ("--dry-run", "--json", "RECIPE.yaml", "KEY=VALUE"):
+        assert option in result.stdout
+
+
+def test_cli_import_does_not_pull_heavy_modules() -> None:
+    code = (
+        "import sys\n"
+        "from areal_cli.cli import app\n"
+        "try:\n    app(['--help'], prog_name='areal')\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'sglang', 'safetensors', 'aiohttp'})\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    ).stdout
+    assert "HEAVY []" in out
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_validate_passes_on_every_recipe(recipe: str) -> None:
+    result = run_areal("validate", recipe)
+    assert result.returncode == 0, result.stderr
+    assert "experiment_name:" in result.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dry_run_prints_plan_and_writes_nothing(recipe: str, tmp_path: Path) -> None:
+    before = snapshot(REPO)
+    result = run_areal("train", recipe, "--dry-run", f"cluster.fileroot={tmp_path}/runs")
+    assert result.returncode == 0, result.stderr
+    assert "torchrun --nnodes 1 --nproc-per-node" in result.stdout
+    assert "--rdzv-backend c10d" in result.stdout
+    assert ("sglang.launch_server" in result.stdout) or (
+        "areal_cli.inference.server" in result.stdout
+    )
+    assert not (tmp_path / "runs").exists()
+    assert snapshot(REPO) == before
+
+
+def test_dry_run_json_is_machine_readable(tmp_path: Path) -> None:
+    result = run_areal(
+        "train", "recipes/gsm8k_grpo.yaml", "--dry-run", "--json", f"cluster.fileroot={tmp_path}"
+    )
+    plan = json.loads(result.stdout)
+    assert [p["name"] for p in plan["processes"]] == [
+        "server-0",
+        "server-1",
+        "server-2",
+        "server-3",
+        "trainer",
+    ]
+    assert plan["run_dir"] == f"{tmp_path}/gsm8k-grpo/trial0"
+    assert {"logs", "rollouts", "weights", "recover"} <= {Path(d).name for d in plan["dirs"]}
+
+
+def test_reference_doc_is_in_sync() -> None:
+    from areal_cli.config.reference import HEADER, render
+
+    expected = HEADER + "\n" + render()
+    actual = (REPO / "docs" / "config-reference.md").read_text()
+    assert actual == expected, (
+        "run: python -m areal_cli.config.reference > docs/config-reference.md"
+    )

@@ -1,0 +1,119 @@
+"""The launch plan is a pure function of the config; its command lines are real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areal_cli.config.loader import load_config
+from areal_cli.config.validate import check_config
+from areal_cli.launch.plan import build_plan, sglang_args
+from tests.conftest import REPO
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def _plan(recipe: str, *overrides: str, cpu_count: int = 2):
+    loaded = load_config(REPO / "recipes" / recipe, list(overrides))
+    result = check_config(loaded)
+    assert not result.problems, [p.format() for p in result.problems]
+    return (
+        loaded.config,
+        result.allocation,
+        build_plan(loaded.config, result.allocation, python="/py/bin/python", cpu_count=cpu_count),
+    )
+
+
+def _sglang_flags() -> dict[str, str]:
+    lines = (ASSETS / "sglang_flags.txt").read_text().splitlines()
+    return dict(line.split("\t") for line in lines if line and not line.startswith("#"))
+
+
+def test_plan_is_deterministic() -> None:
+    assert _plan("tiny_cpu.yaml")[2] == _plan("tiny_cpu.yaml")[2]
+
+
+def test_gpu_plan_uses_disjoint_gpus_and_real_commands() -> None:
+    cfg, _, plan = _plan("gsm8k_grpo.yaml")
+    servers = [p for p in plan.processes if p.name.startswith("server")]
+    trainer = plan.processes[-1]
+    assert len(servers) == 4 and trainer.name == "trainer"
+    used = [g for p in plan.processes for g in p.gpus]
+    assert sorted(used) == list(range(8)) and len(set(used)) == 8
+    assert servers[0].argv[:3] == ["/py/bin/python", "-m", "sglang.launch_server"]
+    assert (
+        servers[0].env["CUDA_VISIBLE_DEVICES"] == "0"
+        and trainer.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    )
+    assert [p.ports[0] for p in servers] == [30000, 30001, 30002, 30003]
+    assert trainer.argv[:9] == [
+        "/py/bin/torchrun",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29500",
+    ]
+    assert trainer.argv[9:11] == ["-m", "areal_cli.trainer.main"]
+    assert plan.run_dir.endswith("gsm8k-grpo/trial0")
+
+
+def test_cpu_plan_splits_cores_and_threads() -> None:
+    _, _, plan = _plan("tiny_cpu.yaml")
+    server, trainer = plan.processes
+    assert server.cpus == [0] and trainer.cpus == [1]
+    assert server.env["OMP_NUM_THREADS"] == "1" and trainer.env["OMP_NUM_THREADS"] == "1"
+    assert server.argv[1:3] == ["-m", "areal_cli.inference.server"]
+    assert (
+        "--nproc-per-node" in trainer.argv
+        and trainer.argv[trainer.argv.index("--nproc-per-node") + 1] == "2"
+    )
+
+
+def test_cpu_plan_on_a_bigger_machine() -> None:
+    _, _, plan = _plan("tiny_cpu.yaml", "cluster.n_cpus=16", "allocation_mode=embedded:d2+fsdp:d4")
+    servers, trainer = plan.processes[:2], plan.processes[2]
+    assert servers[0].cpus == [0, 1, 2, 3] and servers[1].cpus == [4, 5, 6, 7]
+    assert trainer.cpus == list(range(8, 16)) and trainer.env["OMP_NUM_THREADS"] == "2"
+
+
+def test_sglang_flags_are_accepted_by_sglang_parser() -> None:
+    """Every flag we emit exists in sglang 0.5.23's server_args (tests/assets/sglang_flags.txt)."""
+    known = _sglang_flags()
+    cfg, mode, _ = _plan(
+        "gsm8k_grpo.yaml",
+        "inference.sglang.disable_radix_cache=true",
+        "inference.sglang.enable_deterministic_inference=true",
+        "inference.sglang.enable_metrics=true",
+        "inference.sglang.skip_server_warmup=true",
+        "inference.sglang.trust_remote_code=true",
+        "inference.sglang.max_running_requests=64",
+        "inference.sglang.chunked_prefill_size=4096",
+        "inference.sglang.attention_backend=fa3",
+        "inference.api_key=sekret",
+    )
+    args = sglang_args(cfg, mode, "/m", 30000, 0)
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        assert flag in known, f"{flag} is not an sglang flag"
+        if known[flag] == "bool":
+            i += 1
+        else:
+            assert not args[i + 1].startswith("--"), f"{flag} needs a value"
+            i += 2
+
+
+def test_api_key_is_redacted_in_json() -> None:
+    cfg, _, plan = _plan("tiny_cpu.yaml", "inference.api_key=sekret")
+    assert "sekret" in plan.processes[0].argv
+    assert "sekret" not in plan.to_json(secret="sekret")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_every_recipe_has_a_usage_line(recipe: str) -> None:
+    assert (REPO / "recipes" / recipe).read_text().startswith("# Usage: areal ")
