@@ -6,9 +6,10 @@ them, never at module level, so `areal --help` stays fast.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
@@ -108,6 +109,132 @@ def train(
         "controller that executes the plan; run with --dry-run",
         err=True,
     )
+    raise typer.Exit(1)
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(
+        ...,
+        help="Model folder, or builtin:tiny / builtin:small.",
+        show_default=False,
+        metavar="MODEL",
+    ),
+    backend: str = typer.Option("embedded", help="embedded (torch; CPU or GPU) or sglang (GPU)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(30000, help="Port to listen on."),
+    api_key: str = typer.Option(
+        "", "--api-key", help="Require this bearer token on every route but /health."
+    ),
+    dtype: str = typer.Option(
+        None, help="Model dtype; default: the backend's.", show_default=False
+    ),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs (sglang only)."),
+    model_cache: Path = typer.Option(
+        Path("~/.cache/areal/models"), help="Where builtin models are built."
+    ),
+    log: Path = typer.Option(
+        None,
+        help="Server log file; default: ~/.cache/areal/logs/serve-PORT.log.",
+        show_default=False,
+    ),
+    startup_timeout: float = typer.Option(600.0, help="Seconds allowed for the server to start."),
+) -> None:
+    """Run one inference server in the foreground; Ctrl-C stops it."""
+    from areal_cli.inference import launch
+
+    if backend not in launch.BACKENDS:
+        _die(f"--backend must be one of {', '.join(launch.BACKENDS)}, got {backend!r}")
+    if backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        _die(launch.SGLANG_MISSING)
+    path = _serve_model_path(model, model_cache.expanduser())
+    try:
+        argv = launch.server_argv(
+            backend, path, host=host, port=port, api_key=api_key, dtype=dtype, tp=tp
+        )
+    except ValueError as exc:
+        _die(str(exc))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    if not _port_free(host, port):
+        _die(f"port {port} on {host} is already in use")
+    log = (log or Path(f"~/.cache/areal/logs/serve-{port}.log")).expanduser()
+    _run_in_foreground(argv, url, log, api_key, startup_timeout)
+
+
+def _die(message: str) -> NoReturn:
+    """One error line on stderr, exit 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _serve_model_path(model: str, cache: Path) -> str:
+    """A model folder for `serve`: builtin models are built in `cache` on first use."""
+    if model.startswith("builtin:"):
+        from areal_cli.config.schema import ModelConfig
+
+        preset, seed = model.removeprefix("builtin:"), ModelConfig().seed
+        if preset not in ("tiny", "small"):
+            _die(f"unknown builtin model {model!r}; choose builtin:tiny or builtin:small")
+        from areal_cli.inference.tiny_model import build_tiny_model
+
+        typer.echo(f"building {model} in {cache} (first use only)", err=True)
+        return str(build_tiny_model(cache / f"{preset}-seed{seed}", preset, seed))
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        _die(f"model folder {model} does not exist (give a folder or builtin:tiny/builtin:small)")
+    return str(path.resolve())
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        # Same option as the servers, so a port in TIME_WAIT does not count as taken.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _run_in_foreground(
+    argv: list[str], url: str, log: Path, api_key: str, timeout_s: float
+) -> None:
+    """Start the server, wait for Ctrl-C (SIGINT) or SIGTERM, stop it, exit 0."""
+    import signal
+
+    from areal_cli.inference.launch import ServerStartError, start_server
+    from areal_cli.launch.plan import REDACTED
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # Set SIGINT too: a shell starts background jobs with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+    shown = " ".join(REDACTED if api_key and a == api_key else a for a in argv)
+    typer.echo(f"starting: {shown}\nlog: {log}", err=True)
+    try:
+        server = start_server(argv, log, url, api_key=api_key, timeout_s=timeout_s)
+    except ServerStartError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("stopped before the server was ready", err=True)
+        return
+    typer.echo(f"ready: {url} (Ctrl-C to stop)", err=True)
+    try:
+        server.proc.wait()
+    except KeyboardInterrupt:
+        # A second Ctrl-C must not cut the shutdown short and leave the server running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        typer.echo("stopping the server", err=True)
+        server.stop()
+        return
+    failure = server.failure(f"server exited with code {server.proc.returncode}")
+    typer.echo(f"error: {failure}", err=True)
     raise typer.Exit(1)
 
 

@@ -212,7 +212,13 @@ def _server_process(
 
 
 def sglang_args(
-    cfg: ExperimentConfig, mode: AllocationMode, model: str, port: int, index: int
+    cfg: ExperimentConfig,
+    mode: AllocationMode,
+    model: str,
+    port: int,
+    index: int,
+    *,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """Flags for `python -m sglang.launch_server`, named as in SGLang's server_args.py."""
     s = cfg.inference.sglang
@@ -221,7 +227,7 @@ def sglang_args(
         "--model-path",
         model,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--tp-size",
@@ -265,7 +271,13 @@ def sglang_args(
 
 
 def embedded_args(
-    cfg: ExperimentConfig, model: str, port: int, index: int, device_type: str
+    cfg: ExperimentConfig,
+    model: str,
+    port: int,
+    index: int,
+    device_type: str,
+    *,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """Flags of the embedded server (areal_cli.inference.server); a subset of SGLang's."""
     e = cfg.inference.embedded
@@ -274,7 +286,7 @@ def embedded_args(
         "--model-path",
         model,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--dtype",

@@ -1,0 +1,1 @@
+"""Evaluation: accuracy and unbiased pass@k over sampled completions."""

@@ -1,0 +1,1 @@
+"""Local inference: a tiny-model builder, a continuous-batching engine and its HTTP server."""

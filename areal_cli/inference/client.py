@@ -1,0 +1,355 @@
+"""One async client for a fleet of inference servers that speak SGLang's native HTTP API.
+
+SGLang and the embedded server (`areal_cli.inference.server`) answer the same routes, so
+one client serves both backends.
+
+Routing: `generate` goes to one server, picked round-robin or least-loaded (fewest
+requests this client has in flight there, ties broken round-robin). Control calls
+(weight updates, pause/continue, abort, model info) go to every server.
+
+Failures: a connection error, a timeout or an HTTP 5xx is retried up to `retries` times
+with exponential backoff; a `generate` retry prefers a server it has not tried yet. An
+HTTP 4xx is the caller's fault and is raised at once as `RequestRejected`. When retries
+run out, `ServerUnavailable` names the server(s), says what went wrong and points to the
+server's log when the client was given one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+Policy = Literal["round_robin", "least_loaded"]
+POLICIES: tuple[str, ...] = ("round_robin", "least_loaded")
+MAX_BACKOFF_S = 10.0
+
+
+class InferenceError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class ServerUnavailable(InferenceError):
+    """A server did not answer (connection error, timeout or HTTP 5xx) after the retries."""
+
+
+class RequestRejected(InferenceError):
+    """A server answered HTTP 4xx: the request itself is wrong, so it is not retried."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WeightUpdateFailed(InferenceError):
+    """A server refused `/update_weights_from_disk` (it answered success: false)."""
+
+
+class _Retryable(Exception):
+    """One failed attempt that may succeed on a retry; `reason` is for the final message."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Server:
+    address: str
+    log: str | None
+    inflight: int = 0
+
+
+def _reason(exc: BaseException, timeout_s: float) -> str:
+    """A short human description of a transport failure."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within {timeout_s:g}s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if exc.os_error.errno == errno.ECONNREFUSED:
+            return "connection refused"
+        return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the connection was closed before an answer"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _error_message(body: Any) -> str:
+    """The message of an error body in SGLang's or OpenAI's shape, else the raw body."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+class InferenceClient:
+    """Async client over one or more servers; use `async with` or call `close()`."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        api_key: str = "",
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        policy: Policy = "least_loaded",
+        logs: Mapping[str, str] | None = None,
+        backoff_s: float = 0.5,
+    ) -> None:
+        if not addresses:
+            raise ValueError("give at least one server address")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if retries < 0 or timeout_s <= 0:
+            raise ValueError("retries must be >= 0 and timeout_s > 0")
+        logs = logs or {}
+        self.servers = [_Server(a.rstrip("/"), logs.get(a)) for a in addresses]
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.policy = policy
+        self.backoff_s = backoff_s
+        self._turn = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection pool; the client can be used again afterwards."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------ API
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> dict[str, Any]:
+        """One /generate request on one server; returns SGLang's response dict."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return await self._call_one("/generate", body)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | int | None = None
+    ) -> list[dict[str, Any]]:
+        """Load `model_path` on every server; raise `WeightUpdateFailed` naming any server
+        that refused it. Returns each server's answer, in address order."""
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        answers = await self._call_all("/update_weights_from_disk", body, accept_4xx=True)
+        refused = [
+            f"{server.address}: {_error_message(answer)}"
+            for server, answer in zip(self.servers, answers, strict=True)
+            if not (isinstance(answer, dict) and answer.get("success"))
+        ]
+        if refused:
+            raise WeightUpdateFailed(
+                f"{len(refused)} of {len(self.servers)} server(s) refused weights from "
+                f"{model_path}: " + "; ".join(refused)
+            )
+        return answers
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        """GET /model_info of every server, in address order."""
+        return await self._call_all("/model_info", None)
+
+    async def health(self) -> dict[str, bool]:
+        """Whether each server answers GET /health with 200 right now (no retries)."""
+        results = await asyncio.gather(*(self._healthy(s) for s in self.servers))
+        return {s.address: ok for s, ok in zip(self.servers, results, strict=True)}
+
+    async def pause_generation(self, mode: str = "abort") -> list[dict[str, Any]]:
+        """Pause every server ("abort", "in_place" or "retract", as in SGLang)."""
+        return await self._call_all("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> list[dict[str, Any]]:
+        """Resume every server after `pause_generation`."""
+        return await self._call_all("/continue_generation", {})
+
+    async def abort_all(self) -> list[dict[str, Any]]:
+        """Abort every in-flight request on every server."""
+        return await self._call_all("/abort_request", {"abort_all": True})
+
+    async def wait_healthy(
+        self,
+        timeout_s: float,
+        on_poll: Callable[[dict[str, bool]], None] | None = None,
+        interval_s: float = 0.5,
+    ) -> None:
+        """Poll /health on every server until all answer 200, within one overall deadline.
+
+        `on_poll` sees each round's results and may raise to stop early (e.g. when a
+        server process has exited)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = await self.health()
+            if on_poll is not None:
+                on_poll(status)
+            down = [s for s in self.servers if not status[s.address]]
+            if not down:
+                return
+            if time.monotonic() + interval_s > deadline:
+                names = ", ".join(s.address for s in down)
+                raise ServerUnavailable(
+                    f"server(s) {names} not healthy after {timeout_s:g}s{self._log_hint(down)}"
+                )
+            await asyncio.sleep(interval_s)
+
+    # ------------------------------------------------------------------ routing
+
+    def _pick(self, tried: set[str]) -> _Server:
+        """The next server by policy, preferring ones not yet tried for this request."""
+        fresh = [s for s in self.servers if s.address not in tried] or self.servers
+        start = next(self._turn)
+        order = [fresh[(start + i) % len(fresh)] for i in range(len(fresh))]
+        if self.policy == "round_robin":
+            return order[0]
+        return min(order, key=lambda s: s.inflight)  # min keeps the first of equals
+
+    async def _call_one(self, path: str, body: dict[str, Any]) -> Any:
+        """POST to one server, retrying transport failures, preferably elsewhere."""
+        tried: dict[str, str] = {}
+        for attempt in range(self.retries + 1):
+            server = self._pick(set(tried))
+            server.inflight += 1
+            try:
+                return await self._attempt(server, "POST", path, body)
+            except _Retryable as exc:
+                tried[server.address] = exc.reason
+            finally:
+                server.inflight -= 1
+            if attempt < self.retries:
+                await self._backoff(attempt)
+        raise self._unavailable(path, tried)
+
+    async def _call_all(self, path: str, body: dict[str, Any] | None, **kw: Any) -> list[Any]:
+        """The same call on every server (each with its own retries), in address order.
+        Every call finishes before the first error is raised, so no call is left running."""
+        calls = (self._call_on(s, path, body, **kw) for s in self.servers)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
+    async def _call_on(
+        self, server: _Server, path: str, body: dict[str, Any] | None, accept_4xx: bool = False
+    ) -> Any:
+        method = "GET" if body is None else "POST"
+        reason = ""
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._attempt(server, method, path, body, accept_4xx)
+            except _Retryable as exc:
+                reason = exc.reason
+            if attempt < self.retries:
+                await self._backoff(attempt)
+        raise self._unavailable(path, {server.address: reason})
+
+    async def _attempt(
+        self,
+        server: _Server,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        accept_4xx: bool = False,
+    ) -> Any:
+        """One HTTP exchange: the decoded JSON (or text) body, or raise."""
+        url = server.address + path
+        try:
+            async with self._http().request(method, url, json=body) as resp:
+                payload = await self._payload(resp)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise _Retryable(_reason(exc, self.timeout_s)) from exc
+        if resp.status >= 500:
+            raise _Retryable(f"HTTP {resp.status}: {_error_message(payload)}")
+        if resp.status >= 400 and not accept_4xx:
+            raise RequestRejected(
+                f"server {server.address} rejected {path} with HTTP {resp.status}: "
+                f"{_error_message(payload)}",
+                resp.status,
+            )
+        return payload
+
+    @staticmethod
+    async def _payload(resp: aiohttp.ClientResponse) -> Any:
+        """The decoded JSON body; plain text when it is not JSON (e.g. /flush_cache)."""
+        text = await resp.text()
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return text
+
+    async def _healthy(self, server: _Server) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=min(5.0, self.timeout_s))
+            async with self._http().get(server.address + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The shared session, created on first use inside the running event loop."""
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                # No pool cap: queueing inside the client would hide load from least_loaded.
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def _backoff(self, attempt: int) -> None:
+        await asyncio.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt))
+
+    # ------------------------------------------------------------------ errors
+
+    def _log_hint(self, servers: list[_Server]) -> str:
+        logs = [s.log for s in servers if s.log]
+        if not logs:
+            return "; check the server log" if len(servers) == 1 else "; check the server logs"
+        return (
+            "; check its log " + logs[0]
+            if len(logs) == 1
+            else "; check their logs " + ", ".join(logs)
+        )
+
+    def _unavailable(self, path: str, failures: dict[str, str]) -> ServerUnavailable:
+        servers = [s for s in self.servers if s.address in failures]
+        retries = f"after {self.retries} {'retry' if self.retries == 1 else 'retries'}"
+        if len(servers) == 1:
+            server = servers[0]
+            return ServerUnavailable(
+                f"server {server.address} is not answering ({failures[server.address]}) "
+                f"{retries}{self._log_hint(servers)}"
+            )
+        detail = ", ".join(f"{s.address} ({failures[s.address]})" for s in servers)
+        return ServerUnavailable(
+            f"no server answered {path} {retries}: {detail}{self._log_hint(servers)}"
+        )

@@ -1,0 +1,477 @@
+"""HTTP server around `InferenceEngine`: SGLang's native routes plus an OpenAI-compatible subset.
+
+Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1] [--port 30000]
+       [--dtype float32|bfloat16] [--weight-version V] [--max-running-requests M]
+       [--api-key K] [--served-model-name NAME] [--random-seed S] [--device auto|cpu|cuda]
+
+Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
+/pause_generation, /continue_generation, /abort_request, /update_weight_version,
+/flush_cache, /health, /health_generate, /model_info, /get_model_info, /server_info.
+OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(non-streaming; `stop` strings are not supported, `stop_token_ids` is).
+With --api-key every route except /health and /health_generate needs
+`Authorization: Bearer KEY`. The port is bound only after the model has loaded, so a 200
+from /health means ready. SIGINT/SIGTERM stop it cleanly (in-flight requests are aborted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from areal_cli.inference.engine import (
+    DTYPES,
+    GenerateOutput,
+    GenerateRequest,
+    InferenceEngine,
+    SamplingParams,
+)
+
+logger = logging.getLogger("areal_cli.inference.server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_ROUTES = frozenset({"/health", "/health_generate"})
+# OpenAI finish reasons; an aborted request reports SGLang's "abort".
+OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class BadRequest(ValueError):
+    """A client error reported as HTTP 400."""
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object body, {} when empty."""
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the JSON body must be an object")
+    return body
+
+
+class InferenceServer:
+    """Route handlers bound to one engine."""
+
+    def __init__(
+        self, engine: InferenceEngine, served_model_name: str, api_key: str | None
+    ) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._errors, self._auth], client_max_size=64 * 1024 * 1024
+        )
+        routes = [
+            ("POST", "/generate", self.generate),
+            ("PUT", "/generate", self.generate),
+            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation),
+            ("POST", "/abort_request", self.abort_request),
+            ("POST", "/update_weight_version", self.update_weight_version),
+            ("POST", "/flush_cache", self.flush_cache),
+            ("GET", "/flush_cache", self.flush_cache),
+            ("GET", "/health", self.health),
+            ("GET", "/health_generate", self.health),
+            ("GET", "/model_info", self.model_info),
+            ("GET", "/get_model_info", self.model_info),
+            ("GET", "/server_info", self.server_info),
+            ("GET", "/get_server_info", self.server_info),
+            ("GET", "/v1/models", self.list_models),
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/chat/completions", self.chat_completions),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.api_key and request.path not in OPEN_ROUTES:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return _error(401, "missing or wrong API key", "authentication_error")
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except ValueError as exc:  # BadRequest and engine validation errors
+            return _error(400, str(exc))
+        except RuntimeError as exc:  # the engine is shutting down
+            return _error(503, str(exc), "service_unavailable")
+        except Exception as exc:
+            logger.exception("error while serving %s", request.path)
+            return _error(500, f"{type(exc).__name__}: {exc}", "internal_error")
+
+    # ------------------------------------------------------------------ native routes
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported by this server")
+        items = _split_batch(body)
+        reqs = [GenerateRequest.from_dict(item) for item in items]
+        outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
+        results = [o.to_dict(r.return_logprob) for o, r in zip(outs, reqs, strict=True)]
+        return web.json_response(results if _is_batch(body) else results[0])
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if not body.get("model_path"):
+            raise BadRequest("model_path is required")
+        # flush_cache is accepted and ignored: this engine keeps no prefix cache.
+        ok, message = await asyncio.to_thread(
+            self.engine.update_weights_from_disk,
+            body["model_path"],
+            body.get("weight_version"),
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+        )
+        stats = await asyncio.to_thread(self.engine.stats)
+        paused = stats.num_running + stats.num_waiting if stats.paused else 0
+        content = {"success": ok, "message": message, "num_paused_requests": paused}
+        return web.json_response(content, status=200 if ok else 400)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await _body(request)).get("mode", "abort")
+        await asyncio.to_thread(self.engine.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await asyncio.to_thread(self.engine.continue_generation)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("abort_all"):
+            count = await asyncio.to_thread(self.engine.abort_all)
+        elif body.get("rid"):
+            count = int(await asyncio.to_thread(self.engine.abort, str(body["rid"])))
+        else:
+            raise BadRequest("give rid or abort_all")
+        return web.json_response({"success": True, "num_aborted": count})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("new_version") is None:
+            raise BadRequest("new_version is required")
+        version = str(body["new_version"])
+        abort = bool(body.get("abort_all_requests", True))
+        await asyncio.to_thread(self.engine.update_weight_version, version, abort)
+        message = f"Weight version updated to {version}"
+        return web.json_response({"success": True, "message": message, "new_version": version})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.is_alive() else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        config = self.engine.config
+        return web.json_response(
+            {
+                "model_path": self.engine.model_path,
+                "tokenizer_path": self.engine.model_path,
+                "served_model_name": self.served_model_name,
+                "is_generation": True,
+                "weight_version": self.engine.weight_version,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None),
+                "context_length": self.engine.context_length,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        stats = await asyncio.to_thread(self.engine.stats)
+        return web.json_response(
+            {
+                "model_path": stats.model_path,
+                "weight_version": stats.weight_version,
+                "paused": stats.paused,
+                "num_running_reqs": stats.num_running,
+                "num_waiting_reqs": stats.num_waiting,
+                "max_running_requests": self.engine.max_running_requests,
+                "device": str(self.engine.device),
+                "dtype": str(self.engine.model.dtype).removeprefix("torch."),
+            }
+        )
+
+    # ------------------------------------------------------------------ OpenAI routes
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "areal",
+            "root": self.served_model_name,
+            "max_model_len": self.engine.context_length,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        prompts = _completion_prompts(body.get("prompt"))
+        reqs = [self._openai_request(body, prompt) for prompt in prompts]
+        outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
+        choices = [
+            {
+                "index": i,
+                "text": out.text,
+                "logprobs": self._completion_logprobs(out) if body.get("logprobs") else None,
+                "finish_reason": OPENAI_FINISH[out.finish_reason["type"]],
+            }
+            for i, out in enumerate(outs)
+        ]
+        return web.json_response(self._openai_envelope("text_completion", "cmpl", choices, outs))
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        prompt = self.engine.tokenizer.apply_chat_template(
+            [_flatten_message(m) for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        out = await self.engine.generate(self._openai_request(body, prompt))
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": self._chat_logprobs(out) if body.get("logprobs") else None,
+            "finish_reason": OPENAI_FINISH[out.finish_reason["type"]],
+        }
+        return web.json_response(
+            self._openai_envelope("chat.completion", "chatcmpl", [choice], [out])
+        )
+
+    def _openai_request(self, body: dict[str, Any], prompt: str | list[int]) -> GenerateRequest:
+        """Map OpenAI sampling fields (plus SGLang extras) onto a GenerateRequest."""
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported by this server")
+        if body.get("n") not in (None, 1):
+            raise BadRequest("only n=1 is supported")
+        if body.get("stop"):
+            raise BadRequest("stop strings are not supported; use stop_token_ids")
+        params = SamplingParams.from_dict(
+            {
+                "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"),
+                "top_k": body.get("top_k"),
+                "sampling_seed": body.get("seed"),
+                "stop_token_ids": body.get("stop_token_ids"),
+                "ignore_eos": body.get("ignore_eos"),
+                "frequency_penalty": body.get("frequency_penalty") or 0,
+                "presence_penalty": body.get("presence_penalty") or 0,
+            }
+        )
+        if isinstance(prompt, str):
+            ids = self.engine.tokenizer(prompt)["input_ids"]
+        else:
+            ids = prompt
+        # OpenAI's default is "as long as the context allows".
+        room = max(1, self.engine.context_length - len(ids))
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or room
+        params = replace(params, max_new_tokens=min(int(limit), room))
+        return GenerateRequest(input_ids=list(ids), sampling_params=params, return_logprob=True)
+
+    def _openai_envelope(
+        self, kind: str, prefix: str, choices: list[dict[str, Any]], outs: list[GenerateOutput]
+    ) -> dict[str, Any]:
+        prompt_tokens = sum(len(o.prompt_ids) for o in outs)
+        completion_tokens = sum(len(o.output_ids) for o in outs)
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.served_model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "metadata": {"weight_version": outs[0].weight_version if outs else None},
+        }
+
+    def _token_strings(self, out: GenerateOutput) -> list[str]:
+        return [self.engine.tokenizer.decode([t]) for t in out.output_ids]
+
+    def _completion_logprobs(self, out: GenerateOutput) -> dict[str, Any]:
+        tokens = self._token_strings(out)
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": out.output_logprobs,
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, out: GenerateOutput) -> dict[str, Any]:
+        content = [
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+            for tok, lp in zip(self._token_strings(out), out.output_logprobs, strict=True)
+        ]
+        return {"content": content}
+
+
+# --------------------------------------------------------------------------- request shapes
+
+
+def _is_batch(body: dict[str, Any]) -> bool:
+    ids, text = body.get("input_ids"), body.get("text")
+    return isinstance(text, list) or (
+        isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    )
+
+
+def _split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Split a batched /generate body into single-request bodies (SGLang's batch form)."""
+    if not _is_batch(body):
+        return [body]
+    prompts = body["text"] if isinstance(body.get("text"), list) else body["input_ids"]
+    key = "text" if isinstance(body.get("text"), list) else "input_ids"
+    n = len(prompts)
+
+    def pick(name: str, i: int) -> Any:
+        value = body.get(name)
+        if isinstance(value, list) and len(value) == n and name != "stop_token_ids":
+            return value[i]
+        return value
+
+    rid = body.get("rid")
+    items = []
+    for i, prompt in enumerate(prompts):
+        item_rid = rid[i] if isinstance(rid, list) else (f"{rid}-{i}" if rid else None)
+        items.append(
+            {
+                key: prompt,
+                "sampling_params": pick("sampling_params", i),
+                "return_logprob": pick("return_logprob", i),
+                "rid": item_rid,
+            }
+        )
+    return items
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI `prompt`: a string, a token list, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, int) for p in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) for p in prompt):
+            return list(prompt)
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of those")
+
+
+def _flatten_message(message: Any) -> dict[str, str]:
+    """OpenAI messages may carry content as a list of parts; keep the text parts."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise BadRequest("each message needs a role and content")
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return {"role": str(message["role"]), "content": str(content)}
+
+
+# --------------------------------------------------------------------------- process
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="areal's CPU/GPU inference server")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load the engine, serve until SIGINT/SIGTERM, then shut down cleanly."""
+    engine = await asyncio.to_thread(
+        InferenceEngine,
+        args.model_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_running_requests=args.max_running_requests,
+        weight_version=args.weight_version,
+        random_seed=args.random_seed,
+    )
+    name = args.served_model_name or args.model_path
+    server = InferenceServer(engine, name, args.api_key)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+        logger.info("serving %s on http://%s:%d", Path(args.model_path).name, args.host, args.port)
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(args))
+    except OSError as exc:  # e.g. the port is taken
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

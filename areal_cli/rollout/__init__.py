@@ -1,0 +1,1 @@
+"""Rollout side: prompt datasets, prompt formatting, and reward functions run in worker processes."""

@@ -1,0 +1,124 @@
+"""The trainer's input: one rollout batch per step, stored as a handoff entry.
+
+`RUN/rollouts/step-N/` holds `batch.safetensors` with packed 1-D tensors plus a manifest
+(see areal_cli.weights.handoff for the write/read protocol). Sequences are stored in
+group order: `group_size` consecutive sequences share one prompt.
+
+Per token (length T = sum of seqlens), token-aligned like the losses module:
+  input_ids   int64   prompt and completion tokens of every sequence, concatenated
+  loss_mask   int8    1 on generated tokens that are trained, 0 on prompt tokens
+  logprobs    float32 behaviour logprob of each generated token (0 elsewhere)
+  versions    int32   weight version that generated each token (-1 on prompt tokens)
+Per sequence (length N):
+  seqlens     int64   tokens per sequence
+  rewards     float32 scalar reward of each sequence
+  advantages  float32 optional; when present the trainer uses them instead of rewards
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_cli.weights import handoff
+
+BATCH_FILE = "batch.safetensors"
+_TOKEN_KEYS = ("input_ids", "loss_mask", "logprobs", "versions")
+
+
+@dataclass
+class RolloutBatch:
+    """A packed batch of sequences with their behaviour logprobs, versions and rewards."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    seqlens: torch.Tensor
+    rewards: torch.Tensor
+    group_size: int
+    advantages: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        total = int(self.seqlens.sum())
+        for key in _TOKEN_KEYS:
+            if getattr(self, key).shape != (total,):
+                raise ValueError(
+                    f"{key} has shape {tuple(getattr(self, key).shape)}, expected ({total},)"
+                )
+        if self.rewards.shape != self.seqlens.shape:
+            raise ValueError("rewards must have one value per sequence")
+        if len(self.seqlens) % self.group_size:
+            raise ValueError(
+                f"{len(self.seqlens)} sequences do not form groups of {self.group_size}"
+            )
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.seqlens)
+
+    def offsets(self) -> list[int]:
+        """Start of each sequence in the packed tensors, plus the total at the end."""
+        return [0] + torch.cumsum(self.seqlens, 0).tolist()
+
+    def sequence(self, i: int) -> dict[str, torch.Tensor]:
+        """Token tensors of sequence i."""
+        off = self.offsets()
+        return {k: getattr(self, k)[off[i] : off[i + 1]] for k in _TOKEN_KEYS}
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: list[dict[str, torch.Tensor]],
+        rewards: list[float],
+        group_size: int,
+    ) -> RolloutBatch:
+        """Pack per-sequence dicts with the four token keys."""
+        return cls(
+            **{k: torch.cat([s[k] for s in sequences]) for k in _TOKEN_KEYS},
+            seqlens=torch.tensor([len(s["input_ids"]) for s in sequences], dtype=torch.int64),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_size=group_size,
+        )
+
+
+def write_batch(
+    parent: Path, step: int, batch: RolloutBatch, meta: dict | None = None
+) -> handoff.Entry:
+    """Publish `batch` as PARENT/step-N (atomic; see handoff)."""
+    from safetensors.torch import save
+
+    tensors = {
+        "input_ids": batch.input_ids.to(torch.int64),
+        "loss_mask": batch.loss_mask.to(torch.int8),
+        "logprobs": batch.logprobs.to(torch.float32),
+        "versions": batch.versions.to(torch.int32),
+        "seqlens": batch.seqlens.to(torch.int64),
+        "rewards": batch.rewards.to(torch.float32),
+    }
+    if batch.advantages is not None:
+        tensors["advantages"] = batch.advantages.to(torch.float32)
+    data = save({k: v.contiguous() for k, v in tensors.items()})
+    info = {"group_size": batch.group_size, "n_seqs": batch.n_seqs, **(meta or {})}
+    return handoff.write_entry(
+        parent, f"step-{step}", step, lambda d: [handoff.write_bytes(d, BATCH_FILE, data)], info
+    )
+
+
+def read_batch(entry: handoff.Entry) -> RolloutBatch:
+    """Load a batch entry written by `write_batch`."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(entry.path / BATCH_FILE))
+    return RolloutBatch(
+        input_ids=t["input_ids"],
+        loss_mask=t["loss_mask"],
+        logprobs=t["logprobs"],
+        versions=t["versions"],
+        seqlens=t["seqlens"],
+        rewards=t["rewards"],
+        group_size=int(entry.meta["group_size"]),
+        advantages=t.get("advantages"),
+    )

@@ -1,0 +1,228 @@
+"""The trainer process, run by torchrun (one process per data-parallel rank).
+
+    torchrun --nproc-per-node N ... -m areal_cli.trainer.main --config RUN/config.yaml
+        [--batches DIR] [--steps S] [--run-dir DIR] [--resume]
+
+Setup, then the loop, then cleanup:
+  setup   process group (nccl on GPUs, gloo on CPU), device mesh, FSDP2 model, optimizer;
+          with --resume, the newest RUN/recover/step-N entry restores everything.
+  loop    for each step s: wait for RUN/rollouts/step-s (or DIR/step-s with --batches),
+          train, publish weights RUN/weights/v{s+1}, append one line of stats to
+          RUN/logs/trainer-metrics.jsonl, and every recover.freq_steps write RUN/recover.
+  cleanup final HF checkpoint under RUN/checkpoints when saver says so; destroy the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.trainer import checkpoint
+from areal_cli.trainer.batch import read_batch
+from areal_cli.trainer.parallelize import build_sharded_model
+from areal_cli.trainer.step import train_step
+from areal_cli.weights import handoff
+
+POLL_S = 0.05
+
+
+def print0(*args: object) -> None:
+    """Print from rank 0 only, flushed (one line per step)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m areal_cli.trainer.main", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--config", required=True, type=Path, help="Resolved config.yaml of the run."
+    )
+    parser.add_argument(
+        "--batches", type=Path, help="Train on fixed batches DIR/step-N instead of RUN/rollouts."
+    )
+    parser.add_argument(
+        "--steps", type=int, help="Stop after this many steps (default: total_train_steps)."
+    )
+    parser.add_argument("--run-dir", type=Path, help="Run directory (default: from the config).")
+    parser.add_argument(
+        "--resume", action="store_true", help="Continue from the newest RUN/recover entry."
+    )
+    return parser.parse_args(argv)
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: ExperimentConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (or SGD) with linear warm-up, then constant, linear or cosine decay."""
+    o = cfg.actor.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    if o.type == "adamw":
+        optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    total = max(1, cfg.total_train_steps * cfg.actor.ppo_n_minibatches)
+    warmup = int(o.warmup_steps_proportion * total)
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = (i - warmup) / max(1, total - warmup)
+        if o.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if o.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def wait_for_entry(parent: Path, name: str, fixed: bool) -> tuple[handoff.Entry, float]:
+    """Block until PARENT/NAME is a finished entry; returns it and the seconds waited."""
+    start = time.perf_counter()
+    path = parent / name
+    announced = False
+    while True:
+        try:
+            return handoff.read_entry(path), time.perf_counter() - start
+        except handoff.IncompleteEntry:
+            if fixed:
+                raise FileNotFoundError(f"fixed batch {path} is missing or incomplete") from None
+            if not announced:
+                print0(f"[trainer] waiting for {path}")
+                announced = True
+            time.sleep(POLL_S)
+
+
+def setup_distributed(cfg: ExperimentConfig) -> str:
+    """Init the process group; returns the device type (cuda or cpu)."""
+    use_cuda = cfg.cluster.n_gpus_per_node > 0 and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return "cuda" if use_cuda else "cpu"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from areal_cli.config.loader import load_config
+    from areal_cli.launch.plan import initial_model_path, run_dir_of
+
+    args = parse_args(argv)
+    cfg = load_config(args.config).config
+    run_dir = args.run_dir or run_dir_of(cfg)
+    device_type = setup_distributed(cfg)
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    torch.manual_seed(cfg.seed)
+    model_dir = Path(initial_model_path(cfg, run_dir))
+    build = {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
+    model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp, **build)
+    ref_model = None
+    if cfg.actor.kl_ctl > 0:
+        ref_model = build_sharded_model(
+            model_dir, mesh, cfg.actor.fsdp, dtype=cfg.model.dtype
+        ).eval()
+        ref_model.requires_grad_(False)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    start = 0
+    if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
+        state = checkpoint.load_recover(entry, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        start = state["step"] + 1
+        print0(f"[trainer] resumed from {entry.path} at step {start}")
+    last = min(
+        cfg.total_train_steps, args.steps if args.steps is not None else cfg.total_train_steps
+    )
+    for step in range(start, last):
+        run_one_step(
+            step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, args.batches
+        )
+    dist.barrier()
+    if cfg.saver.freq_steps == 0 and last > start:
+        checkpoint.export_hf(
+            run_dir / "checkpoints",
+            f"step-{last - 1}",
+            last,
+            model,
+            model_dir,
+            keep_last=cfg.saver.keep_last,
+            prefix="step-",
+        )
+    dist.destroy_process_group()
+
+
+def run_one_step(
+    step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir
+) -> dict:
+    """Wait for the batch, train on it, publish weights, log, checkpoint."""
+    source = batches_dir or run_dir / "rollouts"
+    entry, waited = wait_for_entry(source, f"step-{step}", fixed=batches_dir is not None)
+    batch = read_batch(entry)
+    t0 = time.perf_counter()
+    stats = train_step(
+        model, optimizer, scheduler, batch, cfg.actor, cfg.gconfig.temperature, ref_model
+    )
+    train_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    meta = {"step": step, "stats": stats}
+    checkpoint.export_hf(
+        run_dir / "weights",
+        f"v{step + 1}",
+        step + 1,
+        model,
+        model_dir,
+        meta,
+        cfg.actor.weight_update.keep_last,
+    )
+    publish_s = time.perf_counter() - t1
+    record = {
+        "step": step,
+        "weight_version": step + 1,
+        **stats,
+        "train_s": train_s,
+        "wait_s": waited,
+        "publish_s": publish_s,
+    }
+    if cfg.recover.freq_steps and (step + 1) % cfg.recover.freq_steps == 0:
+        t2 = time.perf_counter()
+        state = {"step": step, "scheduler": scheduler.state_dict()}
+        checkpoint.save_recover(
+            run_dir / "recover", step, model, optimizer, state, cfg.recover.keep_last
+        )
+        record["recover_s"] = time.perf_counter() - t2
+    if cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0:
+        checkpoint.export_hf(
+            run_dir / "checkpoints",
+            f"step-{step}",
+            step + 1,
+            model,
+            model_dir,
+            keep_last=cfg.saver.keep_last,
+            prefix="step-",
+        )
+    if dist.get_rank() == 0:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    print0(
+        f"[trainer] step {step} loss {stats['loss']:+.4f} grad_norm {stats['grad_norm']:.3f} "
+        f"clip {stats['clip_frac']:.3f} entropy {stats['entropy']:.3f} tokens {int(stats['tokens'])} "
+        f"train {train_s:.2f}s wait {waited:.2f}s publish {publish_s:.2f}s"
+    )
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Versioned handoff of weights, rollouts and checkpoints through the run directory."""

@@ -1,0 +1,235 @@
+"""Versioned handoff directories: how every process passes files to another.
+
+Used for `RUN/weights/vN/` (trainer -> servers), `RUN/rollouts/step-N/` (controller ->
+trainer), `RUN/recover/step-N/` and `RUN/checkpoints/step-N/`.
+
+Writer protocol (`write_entry`), in this order:
+  1. create `PARENT/.tmp-NAME-<random>/` and write every file into it;
+  2. fsync each file;
+  3. write `manifest.json` last (itself through a temp file, fsync, rename), listing the
+     entry's name, version, creation time, caller metadata and every file with its size
+     and CRC-32;
+  4. fsync the temp directory, rename it to `PARENT/NAME`, fsync `PARENT`.
+
+What a reader may assume: a directory named NAME exists only once step 4 happened, so
+its manifest and files are complete and durable. `read_entry` still re-checks that
+every listed file exists with the listed size (and, on request, CRC-32), so a directory
+damaged after the fact (or copied by hand) is refused rather than half-read. Names
+starting with `.` are never entries: `.tmp-*` are unfinished writes (a crashed writer
+leaves them; `remove_stale` deletes them) and `.trash-*` are entries being deleted.
+
+Garbage collection (`gc`) renames an old entry to `.trash-*` before deleting it, so a
+reader never sees an entry whose files are half gone. Only the writer of a parent
+directory collects it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+_CHUNK = 16 << 20
+
+
+class IncompleteEntry(Exception):
+    """An entry that is missing, unfinished or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of an entry: name relative to the entry, size in bytes, CRC-32."""
+
+    name: str
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A completed entry and its manifest."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def version(self) -> int:
+        return int(self.manifest["version"])
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest.get("meta", {})
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(directory: Path, name: str, data: bytes | memoryview) -> FileRecord:
+    """Write `data` to directory/name, fsync it, and return its record (CRC from memory)."""
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileRecord(name, len(data), zlib.crc32(data))
+
+
+def record_file(directory: Path, name: str) -> FileRecord:
+    """fsync an already written file and return its record (reads it back for the CRC)."""
+    path = directory / name
+    crc = 0
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return FileRecord(name, path.stat().st_size, crc)
+
+
+def record_tree(directory: Path) -> list[FileRecord]:
+    """Records of every file under `directory` (for files written by other libraries)."""
+    return [
+        record_file(directory, str(p.relative_to(directory)))
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    ]
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a temp name beside `path`, fsync, rename into place."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_entry(
+    parent: Path,
+    name: str,
+    version: int,
+    write_files: Callable[[Path], list[FileRecord]],
+    meta: dict[str, Any] | None = None,
+) -> Entry:
+    """Create entry PARENT/NAME following the protocol above; returns the finished entry.
+
+    `write_files(tmp_dir)` writes the payload and returns its FileRecords. If NAME already
+    exists (a re-run of the same step after a crash), it is replaced atomically.
+    """
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = write_files(tmp)
+        manifest = {
+            "name": name,
+            "version": version,
+            "created": time.time(),
+            "meta": meta or {},
+            "files": [{"name": f.name, "size": f.size, "crc32": f.crc32} for f in files],
+        }
+        write_json_atomic(tmp / MANIFEST, manifest)
+        fsync_dir(tmp)
+        final = parent / name
+        if final.exists():
+            _trash(final)
+        os.rename(tmp, final)
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Entry(final, manifest)
+
+
+def read_entry(path: Path, *, verify_crc: bool = False) -> Entry:
+    """Load and check an entry; raises IncompleteEntry when it is not whole."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError as exc:
+        raise IncompleteEntry(f"{path}: no {MANIFEST} (not a finished entry)") from exc
+    except ValueError as exc:
+        raise IncompleteEntry(f"{manifest_path}: not valid JSON ({exc})") from exc
+    for f in manifest.get("files", []):
+        file_path = path / f["name"]
+        if not file_path.is_file():
+            raise IncompleteEntry(f"{path}: {f['name']} is listed in the manifest but missing")
+        size = file_path.stat().st_size
+        if size != f["size"]:
+            raise IncompleteEntry(
+                f"{path}: {f['name']} has {size} bytes, the manifest says {f['size']}"
+            )
+        if verify_crc and record_file(path, f["name"]).crc32 != f["crc32"]:
+            raise IncompleteEntry(f"{path}: {f['name']} fails its CRC-32 check (corrupt)")
+    return Entry(path, manifest)
+
+
+def _entry_number(name: str, prefix: str) -> int | None:
+    match = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
+def list_entries(parent: Path, prefix: str) -> list[Entry]:
+    """Finished entries PARENT/<prefix><N>, oldest first; unfinished ones are skipped."""
+    if not parent.is_dir():
+        return []
+    numbered = []
+    for child in parent.iterdir():
+        number = _entry_number(child.name, prefix)
+        if number is None:
+            continue
+        try:
+            numbered.append((number, read_entry(child)))
+        except IncompleteEntry:
+            continue
+    return [entry for _, entry in sorted(numbered, key=lambda pair: pair[0])]
+
+
+def latest(parent: Path, prefix: str) -> Entry | None:
+    """The newest finished entry, or None."""
+    entries = list_entries(parent, prefix)
+    return entries[-1] if entries else None
+
+
+def _trash(path: Path) -> None:
+    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def gc(parent: Path, prefix: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` entries; returns the names removed."""
+    entries = list_entries(parent, prefix)
+    doomed = entries[:-keep_last] if keep_last > 0 else entries
+    for entry in doomed:
+        _trash(entry.path)
+    return [e.path.name for e in doomed]
+
+
+def remove_stale(parent: Path) -> list[str]:
+    """Delete `.tmp-*` and `.trash-*` leftovers of crashed writers (call before writing)."""
+    removed = []
+    if parent.is_dir():
+        for child in parent.iterdir():
+            if child.name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(
+                    missing_ok=True
+                )
+                removed.append(child.name)
+    return removed

@@ -1,0 +1,172 @@
+"""Usage: python scripts/bench_trainer.py [--preset tiny|small] [--steps 4] [--seqs 32] [--seq-len 96]
+
+Measures, in one run on the same model and batch:
+  1. the 2-rank FSDP2 trainer step (real torchrun, gloo, 1 thread per rank) against a plain
+     single-process loop (2 threads) running the same PPO math with no FSDP;
+  2. the weight-publish time (gather, safetensors, fsync, manifest, rename) against
+     `dd if=/dev/zero of=... bs=4M conv=fdatasync` writing the same number of bytes.
+Prints both times and their ratios. Targets: publish <= 1.5x the disk limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from areal_cli.config.schema import TrainEngineConfig  # noqa: E402
+from areal_cli.trainer.batch import RolloutBatch, write_batch  # noqa: E402
+
+
+def make_batch(n_seqs: int, seq_len: int, vocab: int, group_size: int = 4) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(n_seqs):
+        prompt = seq_len // 4
+        n = seq_len + int(torch.randint(-seq_len // 4, seq_len // 4 + 1, (1,), generator=gen))
+        mask = torch.cat([torch.zeros(prompt), torch.ones(n - prompt)]).to(torch.int8)
+        seqs.append(
+            {
+                "input_ids": torch.randint(0, vocab, (n,), generator=gen),
+                "loss_mask": mask,
+                "logprobs": (-torch.rand(n, generator=gen) * 3 - 1) * mask,
+                "versions": torch.where(mask.bool(), 0, -1).to(torch.int32),
+            }
+        )
+    rewards = torch.randint(0, 2, (n_seqs,), generator=gen).float().tolist()
+    return RolloutBatch.from_sequences(seqs, rewards, group_size)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdp_steps(work: Path, model_dir: Path, batches: Path, steps: int, n_seqs: int) -> list[dict]:
+    config = {
+        "experiment_name": "bench",
+        "trial_name": "t",
+        "allocation_mode": "embedded:d1+fsdp:d2",
+        "total_train_steps": steps,
+        "cluster": {"fileroot": str(work / "runs")},
+        "model": {"path": str(model_dir)},
+        "rollout": {"batch_size": n_seqs // 4, "group_size": 4},
+        "recover": {"freq_steps": 0},
+        "saver": {"freq_steps": steps},
+    }
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    argv = [
+        torchrun,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+        "areal_cli.trainer.main",
+        "--config",
+        str(work / "config.yaml"),
+        "--batches",
+        str(batches),
+    ]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
+    lines = (
+        (work / "runs" / "bench" / "t" / "logs" / "trainer-metrics.jsonl").read_text().splitlines()
+    )
+    return [json.loads(line) for line in lines]
+
+
+def plain_steps(model_dir: Path, batch: RolloutBatch, steps: int) -> list[float]:
+    """The same math (train_step) in one process on an unsharded model."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_cli.trainer.step import train_step
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        train_step(model, optimizer, None, batch, TrainEngineConfig(), 1.0)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def dd_seconds(path: Path, n_bytes: int) -> float:
+    blocks = max(1, round(n_bytes / (4 << 20)))
+    start = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={blocks}", "conv=fdatasync"],
+        check=True,
+        capture_output=True,
+    )
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed * n_bytes / (blocks * (4 << 20))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="FSDP2 step time and weight-publish time against baselines."
+    )
+    parser.add_argument("--preset", default="small", choices=("tiny", "small"))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=96)
+    args = parser.parse_args()
+    from areal_cli.inference.tiny_model import build_tiny_model
+
+    work = Path(
+        tempfile.mkdtemp(
+            prefix="areal-bench-trainer-",
+            dir=REPO / ".bench" if (REPO / ".bench").is_dir() else None,
+        )
+    )
+    try:
+        model_dir = build_tiny_model(work / "model", preset=args.preset, seed=0)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        batch = make_batch(args.seqs, args.seq_len, vocab)
+        for step in range(args.steps):
+            write_batch(work / "batches", step, batch)
+        records = fsdp_steps(work, model_dir, work / "batches", args.steps, args.seqs)
+        plain = plain_steps(model_dir, batch, args.steps)
+        weight_bytes = (model_dir / "model.safetensors").stat().st_size
+        disk = statistics.median(dd_seconds(work / "dd.bin", weight_bytes) for _ in range(3))
+        fsdp_step = statistics.median(r["train_s"] for r in records[1:] or records)
+        plain_step = statistics.median(plain[1:] or plain)
+        publish = statistics.median(r["publish_s"] for r in records)
+        print(
+            f"model: preset {args.preset}, {weight_bytes / 1e6:.1f} MB of fp32 weights; batch {args.seqs} seqs x ~{args.seq_len} tokens"
+        )
+        print(
+            f"train step  2-rank FSDP2 (gloo): {fsdp_step:7.3f} s   plain 1-process loop: {plain_step:7.3f} s   ratio {fsdp_step / plain_step:5.2f}x"
+        )
+        print(
+            f"publish     weights/vN:          {publish:7.3f} s   dd conv=fdatasync:    {disk:7.3f} s   ratio {publish / disk:5.2f}x (target <= 1.5x)"
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Helpers for tests that start real torchrun ranks on the gloo backend."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_cli.trainer.batch import RolloutBatch, write_batch
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(path: Path, seed: int = 0, vocab: int = 96) -> Path:
+    """A ~100k-parameter Llama saved with save_pretrained (fp32, untied)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_batches(
+    directory: Path,
+    n_steps: int,
+    n_seqs: int = 8,
+    group_size: int = 4,
+    vocab: int = 96,
+    seed: int = 0,
+) -> Path:
+    """Fixed rollout batches step-0.. with random tokens, behaviour logprobs and rewards."""
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(n_steps):
+        seqs = []
+        for _ in range(n_seqs):
+            prompt = int(torch.randint(3, 9, (1,), generator=gen))
+            completion = int(torch.randint(2, 12, (1,), generator=gen))
+            n = prompt + completion
+            mask = torch.cat([torch.zeros(prompt), torch.ones(completion)]).to(torch.int8)
+            seqs.append(
+                {
+                    "input_ids": torch.randint(0, vocab, (n,), generator=gen),
+                    "loss_mask": mask,
+                    "logprobs": (-torch.rand(n, generator=gen) * 5 - 0.5) * mask,
+                    "versions": torch.where(mask.bool(), step, -1).to(torch.int32),
+                }
+            )
+        rewards = torch.randint(0, 2, (n_seqs,), generator=gen).float().tolist()
+        write_batch(directory, step, RolloutBatch.from_sequences(seqs, rewards, group_size))
+    return directory
+
+
+def write_config(path: Path, model: Path, fileroot: Path, **overrides: object) -> Path:
+    """A trainer config (the resolved config.yaml a run would hold)."""
+    import yaml
+
+    cfg = {
+        "experiment_name": "gloo",
+        "trial_name": "t",
+        "allocation_mode": "embedded:d1+fsdp:d2",
+        "total_train_steps": 4,
+        "cluster": {"fileroot": str(fileroot)},
+        "model": {"path": str(model)},
+        "rollout": {"batch_size": 2, "group_size": 4},
+        "gconfig": {"temperature": 1.0},
+        "actor": {
+            "optimizer": {"lr": 1e-3},
+            "eps_clip": 0.2,
+            "use_decoupled_loss": True,
+            "behav_imp_weight_cap": 5.0,
+        },
+        "recover": {"freq_steps": 0},
+    }
+    for key, value in overrides.items():
+        node = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def torchrun(
+    nproc: int, config: Path, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run the trainer under real torchrun with `nproc` gloo ranks."""
+    argv = [
+        TORCHRUN,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+        "areal_cli.trainer.main",
+        "--config",
+        str(config),
+        *args,
+    ]
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONUNBUFFERED": "1",
+        "HOME": str(Path.home()),
+    }
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "model")

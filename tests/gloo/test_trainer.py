@@ -1,0 +1,170 @@
+"""The FSDP2 trainer under real torchrun with gloo ranks: equivalence, resume, export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from areal_cli.weights import handoff
+from tests.gloo.conftest import TORCHRUN, free_port, make_batches, torchrun, write_config
+
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for line in (run_dir / "logs" / "trainer-metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def _weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
+    entry = handoff.read_entry(run_dir / "weights" / f"v{version}", verify_crc=True)
+    return load_file(str(entry.path / "model.safetensors"))
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_one_rank_equals_two_ranks_two_microbatches(tmp_path: Path, model_dir: Path) -> None:
+    """Same global batch: 1 rank x 1 micro-batch vs 2 ranks x 2 micro-batches."""
+    batches = make_batches(tmp_path / "batches", 2)
+    runs = {}
+    for name, nproc, n_mbs in (("single", 1, 1), ("split", 2, 2)):
+        fileroot = tmp_path / name
+        cfg = write_config(
+            tmp_path / f"{name}.yaml",
+            model_dir,
+            fileroot,
+            total_train_steps=2,
+            **{"actor.mb_spec.n_mbs": n_mbs},
+        )
+        torchrun(nproc, cfg, "--batches", str(batches))
+        runs[name] = fileroot / "gloo" / "t"
+    single, split = (_metrics(runs[k]) for k in ("single", "split"))
+    for a, b in zip(single, split, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for version in (1, 2):
+        assert _max_diff(_weights(runs["single"], version), _weights(runs["split"], version)) < 1e-5
+
+
+def test_resume_is_exact_and_reshards(tmp_path: Path, model_dir: Path) -> None:
+    """4 straight steps == 2 steps, stop, resume, 2 more; a 2-rank checkpoint resumes on 1 rank."""
+    batches = make_batches(tmp_path / "batches", 4)
+    extra = {"recover.freq_steps": 1, "recover.keep_last": 2}
+    straight = write_config(tmp_path / "a.yaml", model_dir, tmp_path / "a", **extra)
+    torchrun(2, straight, "--batches", str(batches))
+    resumed = write_config(tmp_path / "b.yaml", model_dir, tmp_path / "b", **extra)
+    torchrun(2, resumed, "--batches", str(batches), "--steps", "2")
+    torchrun(2, resumed, "--batches", str(batches), "--resume")
+    run_a, run_b = tmp_path / "a" / "gloo" / "t", tmp_path / "b" / "gloo" / "t"
+    losses_a = [m["loss"] for m in _metrics(run_a)]
+    losses_b = [m["loss"] for m in _metrics(run_b)]
+    assert losses_a == losses_b  # bit-identical
+    assert _max_diff(_weights(run_a, 4), _weights(run_b, 4)) == 0.0
+    # Resume the 2-rank checkpoint of step 1 on a single rank: DCP reshards on load.
+    reshard = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "c", **extra)
+    run_c = tmp_path / "c" / "gloo" / "t"
+    torchrun(2, reshard, "--batches", str(batches), "--steps", "2")
+    torchrun(1, reshard, "--batches", str(batches), "--resume")
+    losses_c = [m["loss"] for m in _metrics(run_c)]
+    assert losses_c == pytest.approx(losses_a, abs=1e-5)
+    assert _max_diff(_weights(run_a, 4), _weights(run_c, 4)) < 1e-5
+    assert [e.path.name for e in handoff.list_entries(run_c / "recover", "step-")] == [
+        "step-2",
+        "step-3",
+    ]
+
+
+def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    batches = make_batches(tmp_path / "batches", 1)
+    cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs")
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [
+        TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(Path(__file__).with_name("export_probe.py")),
+        str(cfg),
+        str(batches),
+        str(out),
+    ]
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    exported = handoff.read_entry(out / "v1", verify_crc=True)
+    hf = AutoModelForCausalLM.from_pretrained(exported.path, dtype=torch.float32).eval()
+    saved = torch.load(out / "trainer_logits.pt")
+    with torch.no_grad():
+        logits = hf(input_ids=saved["probe"]).logits
+    assert float((logits - saved["logits"]).abs().max()) < 1e-5
+    # and the export differs from the initial weights (the step really trained)
+    assert (
+        _max_diff(
+            load_file(str(exported.path / "model.safetensors")),
+            load_file(str(model_dir / "model.safetensors")),
+        )
+        > 1e-4
+    )
+
+
+def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Path) -> None:
+    """Without --batches the trainer polls RUN/rollouts/step-N and ignores unfinished writes."""
+    cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs", total_train_steps=1)
+    run_dir = tmp_path / "runs" / "gloo" / "t"
+    (run_dir / "rollouts" / ".tmp-step-0-dead").mkdir(parents=True)  # a crashed writer's leftovers
+    argv = [
+        TORCHRUN,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+        "areal_cli.trainer.main",
+        "--config",
+        str(cfg),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        line = proc.stdout.readline()  # blocks until the trainer reports that it waits
+        assert "waiting for" in line and "rollouts/step-0" in line, line
+        time.sleep(1.5)
+        assert proc.poll() is None  # still waiting
+        make_batches(run_dir / "rollouts", 1)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    record = _metrics(run_dir)[0]
+    assert record["wait_s"] > 1.0 and record["weight_version"] == 1
+    assert handoff.latest(run_dir / "weights", "v").version == 1
+    assert sys.executable  # keep the import used

@@ -1,0 +1,95 @@
+"""The handoff protocol: only finished, intact entries are ever read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_cli.trainer.batch import RolloutBatch, read_batch, write_batch
+from areal_cli.weights import handoff
+
+
+def _write(parent: Path, n: int, payload: bytes = b"abc") -> handoff.Entry:
+    return handoff.write_entry(
+        parent, f"v{n}", n, lambda d: [handoff.write_bytes(d, "w.bin", payload)], {"k": n}
+    )
+
+
+def test_write_then_read(tmp_path: Path) -> None:
+    entry = _write(tmp_path, 3, b"hello")
+    again = handoff.read_entry(tmp_path / "v3", verify_crc=True)
+    assert again.version == 3 and again.meta == {"k": 3}
+    assert again.manifest["files"] == [
+        {"name": "w.bin", "size": 5, "crc32": entry.manifest["files"][0]["crc32"]}
+    ]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_unfinished_and_damaged_entries_are_refused(tmp_path: Path) -> None:
+    (tmp_path / ".tmp-v9-dead").mkdir()  # a writer that crashed before renaming
+    (tmp_path / "v8").mkdir()  # a directory without manifest
+    _write(tmp_path, 1)
+    _write(tmp_path, 2, b"12345")
+    assert [e.version for e in handoff.list_entries(tmp_path, "v")] == [1, 2]
+    (tmp_path / "v2" / "w.bin").write_bytes(b"12")  # truncated after the fact
+    with pytest.raises(handoff.IncompleteEntry, match="has 2 bytes"):
+        handoff.read_entry(tmp_path / "v2")
+    (tmp_path / "v2" / "w.bin").write_bytes(b"12346")  # same size, corrupt content
+    with pytest.raises(handoff.IncompleteEntry, match="CRC"):
+        handoff.read_entry(tmp_path / "v2", verify_crc=True)
+    assert handoff.latest(tmp_path, "v").version == 2  # size still matches without the CRC check
+    (tmp_path / "v2" / "w.bin").unlink()
+    assert handoff.latest(tmp_path, "v").version == 1
+    assert sorted(handoff.remove_stale(tmp_path)) == [".tmp-v9-dead"]
+
+
+def test_failed_writer_leaves_nothing(tmp_path: Path) -> None:
+    def boom(d: Path) -> list:
+        handoff.write_bytes(d, "partial.bin", b"x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        handoff.write_entry(tmp_path, "v1", 1, boom)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gc_keeps_the_newest(tmp_path: Path) -> None:
+    for n in (1, 2, 10, 3):
+        _write(tmp_path, n)
+    assert handoff.gc(tmp_path, "v", keep_last=2) == ["v1", "v2"]
+    assert [e.path.name for e in handoff.list_entries(tmp_path, "v")] == ["v3", "v10"]
+
+
+def test_rewrite_replaces_atomically(tmp_path: Path) -> None:
+    _write(tmp_path, 1, b"old")
+    _write(tmp_path, 1, b"newer")
+    assert (tmp_path / "v1" / "w.bin").read_bytes() == b"newer"
+    assert json.loads((tmp_path / "v1" / "manifest.json").read_text())["files"][0]["size"] == 5
+
+
+def test_batch_round_trip(tmp_path: Path) -> None:
+    seqs = [
+        {
+            "input_ids": torch.tensor([1, 2, 3]),
+            "loss_mask": torch.tensor([0, 1, 1]),
+            "logprobs": torch.tensor([0.0, -0.5, -1.0]),
+            "versions": torch.tensor([-1, 0, 1]),
+        },
+        {
+            "input_ids": torch.tensor([4, 5]),
+            "loss_mask": torch.tensor([0, 1]),
+            "logprobs": torch.tensor([0.0, -2.0]),
+            "versions": torch.tensor([-1, 1]),
+        },
+    ]
+    batch = RolloutBatch.from_sequences(seqs, [1.0, 0.0], group_size=2)
+    entry = write_batch(tmp_path, 7, batch, {"note": "x"})
+    back = read_batch(handoff.read_entry(entry.path, verify_crc=True))
+    assert back.group_size == 2 and back.seqlens.tolist() == [3, 2]
+    assert back.sequence(1)["logprobs"].tolist() == [0.0, -2.0]
+    assert back.versions.tolist() == [-1, 0, 1, -1, 1]
+    with pytest.raises(ValueError, match="groups of 3"):
+        RolloutBatch.from_sequences(seqs, [1.0, 0.0], group_size=3)
