@@ -87,6 +87,9 @@ def train(
         False, "--dry-run", help="Print the launch plan and exit; start and write nothing."
     ),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as JSON."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in RUN/ from its newest recover checkpoint."
+    ),
 ) -> None:
     """Train with asynchronous RL as the recipe says."""
     from areal_cli.launch.plan import build_plan
@@ -104,12 +107,49 @@ def train(
 
             print_plan(plan, Console(), secret=secret)
         return
-    typer.echo(
-        "error: this build of areal can plan a run (--dry-run) but does not yet contain the "
-        "controller that executes the plan; run with --dry-run",
-        err=True,
-    )
-    raise typer.Exit(1)
+    _check_ports_free(plan, recipe)
+    from areal_cli.metrics.display import make_sink
+    from areal_cli.rollout.controller import run_training
+
+    try:
+        code = run_training(
+            loaded, plan, result.allocation, resume, make_sink(loaded.config, Path(plan.run_dir))
+        )
+    except FileExistsError as exc:
+        from areal_cli.config.errors import ConfigProblem
+
+        _fail([ConfigProblem("trial_name", str(exc))], f"in {recipe}")
+    raise typer.Exit(code)
+
+
+def _check_ports_free(plan, recipe: Path) -> None:
+    """Every planned port must be free before anything starts (exit 2 otherwise)."""
+    import socket
+
+    from areal_cli.config.errors import ConfigProblem
+
+    busy = []
+    for proc in plan.processes:
+        for port in proc.ports:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    key = (
+                        "launcher.trainer_port"
+                        if proc.name == "trainer"
+                        else "launcher.inference_base_port"
+                    )
+                    busy.append(
+                        ConfigProblem(
+                            key,
+                            f"port {port} ({proc.name}) is already in use",
+                            "stop the other process or choose another port",
+                        )
+                    )
+    if busy:
+        _fail(busy, f"for {recipe}")
 
 
 @app.command()

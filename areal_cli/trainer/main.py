@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from areal_cli.config.loader import load_config
+    from areal_cli.launch.local import die_with_parent
     from areal_cli.launch.plan import initial_model_path, run_dir_of
 
+    die_with_parent()  # a rank must not outlive torchrun (e.g. after kill -9 of the controller)
     args = parse_args(argv)
     cfg = load_config(args.config).config
     run_dir = args.run_dir or run_dir_of(cfg)
@@ -141,6 +143,17 @@ def main(argv: list[str] | None = None) -> None:
         state = checkpoint.load_recover(entry, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"] + 1
+        # Republish the restored weights so the servers continue from exactly them.
+        meta = {"step": start - 1, "resumed": True}
+        checkpoint.export_hf(
+            run_dir / "weights",
+            f"v{start}",
+            start,
+            model,
+            model_dir,
+            meta,
+            cfg.actor.weight_update.keep_last,
+        )
         print0(f"[trainer] resumed from {entry.path} at step {start}")
     last = min(
         cfg.total_train_steps, args.steps if args.steps is not None else cfg.total_train_steps

@@ -207,6 +207,11 @@ def latest(parent: Path, prefix: str) -> Entry | None:
     return entries[-1] if entries else None
 
 
+def remove_entry(path: Path) -> None:
+    """Delete one entry safely (renamed away first, so no reader sees it half gone)."""
+    _trash(path)
+
+
 def _trash(path: Path) -> None:
     trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
     os.rename(path, trash)

@@ -1,0 +1,1 @@
+"""Metrics sinks, the live display and plots."""

@@ -1,0 +1,234 @@
+"""What a person sees during `areal train`, plus TensorBoard, wandb and the reward curve.
+
+On a terminal: a rich live view with a progress bar, ETA, reward, staleness and
+throughput. Otherwise (a pipe, CI, a log file): one plain line per step. At the end: a
+summary table and RUN/reward_curve.png. Every sink also writes TensorBoard events under
+RUN/tensorboard/ (when logging.tensorboard) and logs to wandb when logging.wandb.mode is
+not disabled.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+SHOWN = (
+    "reward_mean",
+    "staleness_mean",
+    "gen_tokens_per_s",
+    "loss",
+    "trainer_step_s",
+    "handoff_latency_s",
+)
+
+
+def make_sink(cfg: Any, run_dir: Path) -> Sink:
+    """A live rich view on a terminal, plain lines otherwise (logging.display decides)."""
+    mode = cfg.logging.display
+    rich_view = mode == "rich" or (mode == "auto" and sys.stdout.isatty())
+    return Sink(cfg, run_dir, live=rich_view)
+
+
+class Sink:
+    """Receives status lines and per-step metrics from the controller."""
+
+    def __init__(self, cfg: Any, run_dir: Path, live: bool):
+        self.cfg, self.run_dir, self.live = cfg, run_dir, live
+        # Plain mode writes to pipes and CI logs: never wrap a step line.
+        self.console = Console(highlight=False, soft_wrap=not live)
+        self._log = None  # opened on first use, once the run directory exists
+        self.history: list[dict[str, float]] = []
+        self._progress = None
+        self._task = None
+        self._tb = None
+        self._wandb = None
+        self._started = time.monotonic()
+
+    # -- lifecycle
+    def start(self, cfg: Any, start_step: int) -> None:
+        self._started = time.monotonic()
+        self._open_writers()
+        if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=self.console,
+            )
+            self._task = self._progress.add_task(
+                "train", total=cfg.total_train_steps, completed=start_step, info="starting"
+            )
+            self._progress.start()
+
+    def status(self, text: str) -> None:
+        self._log_line(text)
+        if self._progress is not None:
+            self._progress.update(self._task, info=text)
+        else:
+            self.console.print(f"[areal] {text}", markup=False)
+
+    def step(self, metrics: dict[str, float]) -> None:
+        self.history.append(metrics)
+        self._write_events(metrics)
+        line = _format(metrics)
+        self._log_line(f"step {metrics['step'] + 1}/{self.cfg.total_train_steps} {line}")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=metrics["step"] + 1, info=line)
+        else:
+            total = self.cfg.total_train_steps
+            self.console.print(f"[areal] step {metrics['step'] + 1}/{total} {line}", markup=False)
+
+    def error(self, text: str) -> None:
+        self._log_line(f"error: {text}")
+        self._stop_live()
+        Console(stderr=True, highlight=False).print(f"error: {text}", markup=False)
+
+    def finish(self, run_dir: Path) -> None:
+        self._stop_live()
+        self._close_writers()
+        history = read_metrics(run_dir / "metrics.jsonl")
+        if not history:
+            return
+        self.console.print(summary_table(history, time.monotonic() - self._started))
+        path = plot_reward_curve(history, run_dir / "reward_curve.png")
+        self.console.print(f"metrics: {run_dir / 'metrics.jsonl'}   curve: {path}", markup=False)
+
+    def _log_line(self, text: str) -> None:
+        if self._log is None:
+            self._log = open_log(self.run_dir / "logs" / "controller.log")
+        self._log.write(time.strftime("%H:%M:%S ") + text + "\n")
+        self._log.flush()
+
+    # -- writers
+    def _open_writers(self) -> None:
+        if self.cfg.logging.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        wandb_cfg = self.cfg.logging.wandb
+        if wandb_cfg.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity or None,
+                mode=wandb_cfg.mode,
+                name=f"{self.cfg.experiment_name}/{self.cfg.trial_name}",
+                dir=str(self.run_dir),
+            )
+
+    def _write_events(self, metrics: dict[str, float]) -> None:
+        step = int(metrics["step"])
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def _close_writers(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def _stop_live(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def open_log(path: Path):
+    """Append-mode controller log (RUN/logs/controller.log)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a")  # noqa: SIM115 - lives as long as the run
+
+
+def _format(m: dict[str, float]) -> str:
+    parts = [
+        f"reward {m.get('reward_mean', float('nan')):.3f}",
+        f"stale {m.get('staleness_mean', 0):.2f}/{m.get('staleness_max', 0):.0f}",
+        f"gen {m.get('gen_tokens_per_s', 0):.0f} tok/s",
+        f"loss {m.get('loss', float('nan')):+.4f}",
+        f"train {m.get('trainer_step_s', 0):.2f}s",
+        f"handoff {m.get('handoff_latency_s', float('nan')):.2f}s",
+    ]
+    return "  ".join(parts)
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """Every line of a metrics.jsonl, in step order."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
+    """First, last-5 mean and overall figures of a run."""
+    table = Table(title=f"{len(history)} steps in {elapsed_s:.0f}s")
+    for column in ("metric", "first step", "last 5 steps", "all steps"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for key in SHOWN:
+        values = [h[key] for h in history if key in h]
+        if not values:
+            continue
+        last = values[-5:]
+        table.add_row(
+            key,
+            f"{values[0]:.3f}",
+            f"{sum(last) / len(last):.3f}",
+            f"{sum(values) / len(values):.3f}",
+        )
+    return table
+
+
+def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
+    """RUN/reward_curve.png: mean reward (with its std band) per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    mean = [h.get("reward_mean", float("nan")) for h in history]
+    std = [h.get("reward_std", 0.0) for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, mean, marker="o", markersize=3, label="mean reward")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        alpha=0.2,
+    )
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.05, 1.05 if max(mean, default=1) <= 1 else None)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
