@@ -100,7 +100,7 @@ class Sink:
     def error(self, text: str) -> None:
         self._log_line(f"error: {text}")
         self._stop_live()
-        Console(stderr=True, highlight=False).print(f"error: {text}", markup=False)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {text}", markup=False)
 
     def finish(self, run_dir: Path) -> None:
         self._stop_live()

@@ -136,8 +136,11 @@ def ensure_model(loaded: LoadedConfig, run_dir: Path) -> Path:
     cfg = loaded.config
     path = Path(initial_model_path(cfg, run_dir))
     if cfg.model.path.startswith("builtin:") and not (path / "config.json").exists():
+        from transformers.utils import logging as hf_logging
+
         from areal_cli.inference.tiny_model import build_tiny_model
 
+        hf_logging.disable_progress_bar()
         build_tiny_model(path, preset=cfg.model.path.split(":", 1)[1], seed=cfg.model.seed)
     return path
 
@@ -368,16 +371,19 @@ async def metrics_task(
     """Join trainer stats and rollout stats per step into metrics.jsonl and the display."""
     trainer_file = ctx.run_dir / "logs" / "trainer-metrics.jsonl"
     done = _steps_in(ctx.run_dir / "metrics.jsonl")
+    pending: dict[int, dict] = {}
     offset = 0
     while True:
         lines, offset = _read_new_lines(trainer_file, offset)
         for line in lines:
             record = json.loads(line)
-            step = record["step"]
-            if step in done:
-                continue
+            if record["step"] not in done:
+                pending[record["step"]] = record
+        # A step's line is complete once the servers loaded the weights it produced.
+        for step in sorted(s for s in pending if s + 1 in state.handoff):
+            record = pending.pop(step)
             metrics = build_metrics(
-                record, state.batch_stats.get(step, {}), state.handoff.get(step + 1, {})
+                record, state.batch_stats.get(step, {}), state.handoff[step + 1]
             )
             with open(ctx.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -499,7 +505,7 @@ async def _run_loop(
 
 
 async def _drain_metrics(
-    ctx: RolloutContext, state: LoopState, sink: Any, expected: int, timeout_s: float = 5.0
+    ctx: RolloutContext, state: LoopState, sink: Any, expected: int, timeout_s: float = 30.0
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while len(_steps_in(ctx.run_dir / "metrics.jsonl")) < expected and time.monotonic() < deadline:

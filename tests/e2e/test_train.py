@@ -1,0 +1,212 @@
+"""`areal train` end to end through the real CLI: servers, torchrun trainer, handoffs.
+
+Every test runs the tiny CPU recipe for a few steps in a temporary run directory with
+free ports, then checks the run directory and that no process of the run is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_cli.weights import handoff
+from tests.conftest import REPO
+from tests.gloo.conftest import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REQUIRED = (
+    "step",
+    "weight_version",
+    "reward_mean",
+    "reward_std",
+    "staleness_mean",
+    "staleness_max",
+    "gen_tokens",
+    "gen_tokens_per_s",
+    "trainer_step_s",
+    "trainer_wait_s",
+    "controller_wait_s",
+    "handoff_save_s",
+    "handoff_load_s",
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "imp_weight_mean",
+    "padding_fraction",
+)
+
+
+def _args(tmp_path: Path, steps: int, *extra: str) -> list[str]:
+    base = free_port()
+    return [
+        sys.executable,
+        "-m",
+        "areal_cli.cli",
+        "train",
+        "recipes/tiny_cpu.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"total_train_steps={steps}",
+        "logging.display=plain",
+        f"launcher.inference_base_port={base}",
+        f"launcher.trainer_port={free_port()}",
+        "rollout.batch_size=4",
+        "rollout.group_size=2",
+        *extra,
+    ]
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "tiny-cpu" / "trial0"
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line]
+        if path.exists()
+        else []
+    )
+
+
+def _processes_of(run_dir: Path) -> list[int]:
+    """PIDs whose command line mentions the run directory (servers, torchrun, ranks)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _assert_no_processes_left(run_dir: Path, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_of(run_dir) == [], "processes of the run were left behind"
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"areal exited early with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
+            )
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_train_runs_end_to_end(tmp_path: Path) -> None:
+    result = subprocess.run(
+        _args(tmp_path, 4, "rollout.max_staleness=1"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = _run_dir(tmp_path)
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, f"step {row['step']} lacks {missing}"
+        assert row["staleness_max"] <= 1
+        assert 0.5 < row["imp_weight_mean"] < 2.0  # server logprobs agree with the trainer's
+    assert handoff.latest(run_dir / "weights", "v").version == 4
+    assert (run_dir / "config.yaml").exists() and (run_dir / "plan.json").exists()
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert list((run_dir / "tensorboard").iterdir())
+    assert "step 4/4" in result.stdout
+    _assert_no_processes_left(run_dir)
+
+
+def test_synchronous_mode_never_uses_stale_samples(tmp_path: Path) -> None:
+    result = subprocess.run(
+        _args(tmp_path, 3, "rollout.max_staleness=0"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(_run_dir(tmp_path))
+    assert len(rows) == 3 and all(r["staleness_max"] == 0 for r in rows)
+
+
+def test_resume_after_kill_9_of_the_controller(tmp_path: Path) -> None:
+    args = _args(tmp_path, 6, "recover.freq_steps=1", "rollout.max_staleness=1")
+    run_dir = _run_dir(tmp_path)
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for(
+            lambda: len(_metrics(run_dir)) >= 2 and handoff.latest(run_dir / "recover", "step-"),
+            300,
+            proc,
+        )
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    _assert_no_processes_left(run_dir)  # children die with the controller
+    recovered = handoff.latest(run_dir / "recover", "step-").version
+    again = subprocess.run(
+        args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    assert recovered >= 0
+    _assert_no_processes_left(run_dir)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill-server", "kill-trainer-rank"])
+def test_teardown_leaves_no_process(tmp_path: Path, how: str) -> None:
+    run_dir = _run_dir(tmp_path)
+    proc = subprocess.Popen(
+        _args(tmp_path, 200), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(lambda: len(_metrics(run_dir)) >= 1, 300, proc)
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+        else:
+            marker = (
+                "areal_cli.inference.server" if how == "kill-server" else "areal_cli.trainer.main"
+            )
+            victims = [
+                p
+                for p in _processes_of(run_dir)
+                if marker in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                and "torchrun"
+                not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+            ]
+            assert victims
+            os.kill(victims[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    if how == "ctrl-c":
+        assert proc.returncode == 130
+        assert "interrupted" in err
+    else:
+        assert proc.returncode == 1
+        name = "server-0" if how == "kill-server" else "trainer"
+        assert f"{name} exited" in err and f"logs/{name}.log" in err, err
+    _assert_no_processes_left(run_dir)
