@@ -154,10 +154,9 @@ def export_hf(
             record = writer.close() if writer is not None else None
         if not is_writer:
             return []
-        records = [record]
-        for src in model_files_to_copy(model_dir):
-            records.append(handoff.write_bytes(directory, src.name, src.read_bytes()))
-        return records
+        return [record] + [
+            handoff.link_or_copy(src, directory) for src in model_files_to_copy(model_dir)
+        ]
 
     path = None
     if is_writer:

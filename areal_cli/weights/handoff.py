@@ -90,6 +90,18 @@ def write_bytes(directory: Path, name: str, data: bytes | memoryview) -> FileRec
     return FileRecord(name, len(data), zlib.crc32(data))
 
 
+def link_or_copy(src: Path, directory: Path) -> FileRecord:
+    """Put an unchanging file (config, tokenizer) into an entry: a hard link when the
+    filesystem allows (no data written, nothing to fsync but the directory), else a copy."""
+    dst = directory / src.name
+    try:
+        os.link(src, dst)
+    except OSError:
+        return write_bytes(directory, src.name, src.read_bytes())
+    data = src.read_bytes()
+    return FileRecord(src.name, len(data), zlib.crc32(data))
+
+
 def record_file(directory: Path, name: str) -> FileRecord:
     """fsync an already written file and return its record (reads it back for the CRC)."""
     path = directory / name

@@ -1,0 +1,139 @@
+"""Usage: python scripts/bench_async.py [--steps 12] [--batch-size 8] [--group-size 4] [--max-new-tokens 8]
+
+Runs the tiny CPU recipe twice in one invocation, with rollout.max_staleness=0
+(synchronous RL) and =2 (asynchronous), for the same number of steps, and prints:
+  - steps/s of each (steady state: from the first to the last step's metrics line) and
+    their ratio;
+  - G and T: seconds per step spent generating and training (measured in the sync run,
+    where they do not overlap), and the physical cap (G+T)/max(G,T) on the ratio;
+  - the weight handoff (trainer starts writing weights/vN -> every server serves vN)
+    against the raw disk time of the same bytes (dd write with fdatasync + read back).
+The server and the trainer get one core each (cluster.n_cpus=2, allocation
+embedded:d1+fsdp:d1), the CPU counterpart of disjoint GPUs. The default batch shape
+(8 prompts x 4 samples, 8 new tokens) is chosen so that G and T are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(fileroot: Path, staleness: int, args: argparse.Namespace) -> list[dict]:
+    argv = [
+        sys.executable,
+        "-m",
+        "areal_cli.cli",
+        "train",
+        "recipes/tiny_cpu.yaml",
+        f"cluster.fileroot={fileroot}",
+        f"trial_name=stale{staleness}",
+        "logging.display=plain",
+        "logging.tensorboard=false",
+        "allocation_mode=embedded:d1+fsdp:d1",
+        "cluster.n_cpus=2",
+        f"total_train_steps={args.steps}",
+        f"rollout.max_staleness={staleness}",
+        f"rollout.batch_size={args.batch_size}",
+        f"rollout.group_size={args.group_size}",
+        "rollout.max_concurrent_rollouts=null",
+        f"gconfig.max_new_tokens={args.max_new_tokens}",
+        "gconfig.ignore_eos=true",
+        "recover.freq_steps=0",
+        f"launcher.inference_base_port={free_port()}",
+        f"launcher.trainer_port={free_port()}",
+    ]
+    if args.model:
+        argv.append(f"model.path={args.model}")
+    subprocess.run(argv, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    path = fileroot / "tiny-cpu" / f"stale{staleness}" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def steps_per_s(rows: list[dict], skip: int) -> float:
+    rows = rows[skip:]
+    return (len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"])
+
+
+def disk_seconds(path: Path, n_bytes: int) -> float:
+    """dd write with fdatasync plus reading the bytes back."""
+    blocks = max(1, -(-n_bytes // (1 << 20)))
+    start = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={blocks}", "conv=fdatasync"],
+        check=True,
+        capture_output=True,
+    )
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed * n_bytes / (blocks << 20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Synchronous vs asynchronous steps/s on the tiny recipe."
+    )
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=2, help="Warm-up steps left out of the rate.")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--model", default="", help="Model folder (default: the recipe's).")
+    parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="areal-bench-async-"))
+    try:
+        sync = run(work, 0, args)
+        asyn = run(work, 2, args)
+        weights = next((work / "tiny-cpu" / "stale2" / "weights").glob("v*/model.safetensors"))
+        n_bytes = weights.stat().st_size
+        disk = statistics.median(disk_seconds(work / "dd.bin", n_bytes) for _ in range(3))
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    rate_sync, rate_async = steps_per_s(sync, args.skip), steps_per_s(asyn, args.skip)
+    steady = sync[args.skip :]
+    train = statistics.median(r["trainer_step_s"] + r["handoff_save_s"] for r in steady)
+    wall = 1 / rate_sync
+    gen = statistics.median(r["controller_wait_s"] for r in steady)
+    gen = max(wall - gen, 0.0)  # in sync mode a step is generating, then waiting on the trainer
+    handoff = statistics.median(
+        r["handoff_save_s"] + r["handoff_latency_s"] for r in asyn[args.skip :]
+    )
+    print(
+        f"batch: {args.batch_size} prompts x {args.group_size} samples, {args.max_new_tokens} new tokens; {args.steps} steps"
+    )
+    print(f"sync  (max_staleness=0): {rate_sync:6.3f} steps/s")
+    print(f"async (max_staleness=2): {rate_async:6.3f} steps/s")
+    print(f"ratio async/sync:        {rate_async / rate_sync:6.2f}x   (target >= 1.6)")
+    print(
+        f"per step: G (generate) {gen:.2f}s  T (train + publish) {train:.2f}s  cap (G+T)/max(G,T) = {(gen + train) / max(gen, train):.2f}"
+    )
+    print(
+        f"handoff: {handoff * 1000:.0f} ms (publish start -> all servers on vN) vs raw disk {disk * 1000:.0f} ms for {n_bytes / 1e6:.1f} MB: {handoff / disk:.2f}x (target <= 2)"
+    )
+
+
+if __name__ == "__main__":
+    main()
