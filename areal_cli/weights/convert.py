@@ -1,0 +1,320 @@
+"""`areal convert-checkpoint`: DCP <-> Hugging Face, streamed, verified, atomic.
+
+Formats are detected from the source:
+  DCP  a folder with `.metadata` (or a recover entry RUN/recover/step-N/ holding `dcp/`);
+       model tensors are stored under `model.<hf name>`, written by any number of ranks.
+  HF   a folder with `config.json` and `*.safetensors`.
+
+DCP -> HF reads one tensor at a time (DCP reads only the byte ranges of that tensor) and
+streams it into safetensors shards, so peak memory stays near the largest tensor, not
+the model. The config and tokenizer come from the run's model (found through the run's
+config.yaml) or from --model-config. HF -> DCP writes a recover entry (`dcp/`,
+`state.json` with step -1, manifest) that `areal train` can start or resume from.
+
+DST is written under a temporary name beside it and renamed at the end, so a failure
+leaves nothing half-written at DST. A non-empty DST is refused without --force.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_cli.weights import handoff
+
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+MODEL_PREFIX = "model."
+
+
+class ConvertError(Exception):
+    """Bad input for the converter (exit code 2): missing, incomplete or mismatched files."""
+
+
+@dataclass
+class Source:
+    kind: str  # "dcp" or "hf"
+    path: Path  # the DCP folder (with .metadata) or the HF folder
+    entry: Path  # what the user named
+
+
+def detect(src: Path) -> Source:
+    """Work out the format of `src`, or raise ConvertError saying what is missing."""
+    if not src.exists():
+        raise ConvertError(f"source not found: {src}")
+    for candidate in (src, src / "dcp"):
+        if (candidate / ".metadata").is_file():
+            return Source("dcp", candidate, src)
+    if (src / "config.json").is_file():
+        if not list(src.glob("*.safetensors")):
+            raise ConvertError(
+                f"{src} has config.json but no .safetensors files (incomplete HF folder)"
+            )
+        return Source("hf", src, src)
+    raise ConvertError(
+        f"{src} is neither a DCP checkpoint (no .metadata) nor an HF folder (no config.json)"
+    )
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '1024' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConvertError(f"cannot read size '{text}'; write e.g. 2GB or 500MB")
+    units = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    unit = (match.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(match.group(1)) * units[unit])
+
+
+# ---------------------------------------------------------------- DCP -> HF
+
+
+def _dcp_model_tensors(dcp_dir: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception as exc:  # a truncated or foreign .metadata
+        raise ConvertError(f"cannot read DCP metadata in {dcp_dir}: {exc}") from exc
+    out = []
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and hasattr(meta, "size"):
+            out.append((key[len(MODEL_PREFIX) :], meta.size, meta.properties.dtype))
+    if not out:
+        raise ConvertError(f"{dcp_dir} holds no model.* tensors (not an areal recover checkpoint)")
+    out.sort(key=lambda spec: spec[0])  # a stable order makes conversions byte-reproducible
+    for item in metadata.storage_data.values():
+        path = dcp_dir / item.relative_path
+        if not path.is_file() or path.stat().st_size < item.offset + item.length:
+            raise ConvertError(
+                f"DCP checkpoint {dcp_dir} is incomplete: {item.relative_path} is missing or truncated"
+            )
+    return out
+
+
+def iter_dcp_tensors(
+    dcp_dir: Path, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs read one at a time from a DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name, size, stored in _dcp_model_tensors(dcp_dir):
+        target = {MODEL_PREFIX + name: torch.empty(size, dtype=stored)}
+        dcp.load(target, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+        tensor = target[MODEL_PREFIX + name]
+        yield name, tensor.to(dtype) if dtype is not None else tensor
+
+
+def find_model_dir(src: Source, override: Path | None) -> Path:
+    """Where config.json and the tokenizer come from for DCP -> HF."""
+    if override is not None:
+        if not (override / "config.json").is_file():
+            raise ConvertError(f"--model-config {override} has no config.json")
+        return override
+    from areal_cli.config.loader import load_config
+    from areal_cli.launch.plan import initial_model_path
+
+    for parent in [src.entry, *src.entry.parents][:4]:
+        config = parent / "config.yaml"
+        if config.is_file():
+            cfg = load_config(config).config
+            model = Path(initial_model_path(cfg, parent))
+            if (model / "config.json").is_file():
+                return model
+    raise ConvertError(
+        f"cannot find the model config for {src.entry}; pass --model-config MODEL_DIR"
+    )
+
+
+def dcp_to_hf(
+    src: Source, tmp: Path, model_dir: Path, dtype: torch.dtype | None, max_shard: int
+) -> list[handoff.FileRecord]:
+    """Stream a DCP checkpoint into HF safetensors shards plus config and tokenizer."""
+    from areal_cli.trainer.parallelize import model_files_to_copy
+    from areal_cli.weights.safetensors_io import StreamingWriter
+
+    specs = _dcp_model_tensors(src.path)
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("tie_word_embeddings"):
+        specs = [s for s in specs if s[0] != "lm_head.weight"]
+    shards = _plan_shards([(n, s, dtype or d) for n, s, d in specs], max_shard)
+    names = _shard_names(len(shards))
+    records, weight_map = [], {}
+    tensors = iter_dcp_tensors(src.path, dtype)
+    for shard, file_name in zip(shards, names, strict=True):
+        writer = StreamingWriter(tmp, file_name, [(n, d, tuple(s)) for n, s, d in shard])
+        for name, _, _ in shard:
+            got, tensor = next(tensors)
+            while got not in {n for n, _, _ in shard}:  # skipped (tied) tensors
+                got, tensor = next(tensors)
+            writer.put(tensor)
+            weight_map[name] = file_name
+        records.append(writer.close())
+    if len(shards) > 1:
+        total = sum(
+            s.numel() * torch.empty((), dtype=d).element_size()
+            for _, s, d in (x for sh in shards for x in sh)
+        )
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        records.append(
+            handoff.write_bytes(
+                tmp, "model.safetensors.index.json", json.dumps(index, indent=1).encode()
+            )
+        )
+    for src_file in model_files_to_copy(model_dir):
+        data = src_file.read_bytes()
+        if src_file.name == "config.json" and dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            data = json.dumps(config, indent=2).encode()
+        records.append(handoff.write_bytes(tmp, src_file.name, data))
+    return records
+
+
+def _plan_shards(specs: list[tuple[str, torch.Size, torch.dtype]], max_shard: int) -> list[list]:
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        n_bytes = spec[1].numel() * torch.empty((), dtype=spec[2]).element_size()
+        if shards[-1] and size + n_bytes > max_shard:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += n_bytes
+    return shards
+
+
+def _shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+# ---------------------------------------------------------------- HF -> DCP
+
+
+def iter_hf_tensors(
+    hf_dir: Path, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of an HF folder, one at a time (memory-mapped reads)."""
+    from safetensors import safe_open
+
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    tensor = f.get_tensor(name)
+                    yield name, tensor.to(dtype) if dtype is not None else tensor
+        except Exception as exc:  # truncated or not a safetensors file
+            raise ConvertError(f"cannot read {file}: {exc}") from exc
+
+
+def hf_to_dcp(src: Source, tmp: Path, dtype: torch.dtype | None) -> list[handoff.FileRecord]:
+    """Write an HF folder as a recover entry (dcp/ + state.json) the trainer can load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state = {
+        MODEL_PREFIX + name: tensor
+        for name, tensor in sorted(iter_hf_tensors(src.path, dtype), key=lambda kv: kv[0])
+    }
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp / "dcp")), no_dist=True)
+    handoff.write_json_atomic(tmp / "state.json", {"step": -1, "source": str(src.path)})
+    return handoff.record_tree(tmp)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def convert(
+    src_path: Path,
+    dst: Path,
+    *,
+    to: str | None,
+    dtype: str | None,
+    max_shard_size: str,
+    force: bool,
+    model_config: Path | None,
+) -> tuple[Source, Path]:
+    """Convert SRC into DST atomically; returns the detected source and DST."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    hf_logging.disable_progress_bar()
+    src = detect(src_path)
+    target = to or ("hf" if src.kind == "dcp" else "dcp")
+    if target == src.kind:
+        raise ConvertError(
+            f"{src_path} is already {src.kind.upper()}; use --to {'hf' if target == 'dcp' else 'dcp'}"
+        )
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
+        raise ConvertError(f"{dst} exists and is not empty; pass --force to replace it")
+    torch_dtype = DTYPES[dtype] if dtype else None
+    max_shard = parse_size(max_shard_size)
+    model_dir = find_model_dir(src, model_config) if target == "hf" else None
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".tmp-{dst.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        if target == "hf":
+            records = dcp_to_hf(src, tmp, model_dir, torch_dtype, max_shard)
+        else:
+            records = hf_to_dcp(src, tmp, torch_dtype)
+        manifest = {
+            "name": dst.name,
+            "version": 0,
+            "meta": {"converted_from": str(src.entry), "format": target},
+            "files": [vars(r) for r in records],
+        }
+        handoff.write_json_atomic(tmp / handoff.MANIFEST, manifest)
+        handoff.fsync_dir(tmp)
+        if dst.exists():
+            handoff.remove_entry(dst) if dst.is_dir() else dst.unlink()
+        os.rename(tmp, dst)
+        handoff.fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return src, dst
+
+
+def verify(dst: Path, src: Source, model_config: Path | None) -> float:
+    """Max |logit difference| between the two sides on a fixed input (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_side, dcp_side = (dst, src) if src.kind == "dcp" else (src.path, detect(dst))
+    model_dir = hf_side
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    other = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+    ).eval()
+    state = dict(iter_dcp_tensors(dcp_side.path, torch.float32))
+    missing, unexpected = other.load_state_dict(state, strict=False)
+    missing = [
+        m for m in missing if not (m == "lm_head.weight" and other.config.tie_word_embeddings)
+    ]
+    if missing or unexpected:
+        raise ConvertError(
+            f"the two sides hold different tensors: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    if other.config.tie_word_embeddings:
+        other.tie_weights()
+    vocab = reference.config.vocab_size
+    ids = (torch.arange(32) * 7919 % vocab).unsqueeze(0)
+    with torch.no_grad():
+        return float((reference(input_ids=ids).logits - other(input_ids=ids).logits).abs().max())
