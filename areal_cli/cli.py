@@ -280,14 +280,24 @@ def _run_in_foreground(
 
 @app.command("convert-checkpoint")
 def convert_checkpoint(
-    src: Path = typer.Argument(..., help="DCP checkpoint (RUN/recover/step-N) or HF folder.", show_default=False),
-    dst: Path = typer.Argument(..., help="Output folder (must be empty unless --force).", show_default=False),
+    src: Path = typer.Argument(
+        ..., help="DCP checkpoint (RUN/recover/step-N) or HF folder.", show_default=False
+    ),
+    dst: Path = typer.Argument(
+        ..., help="Output folder (must be empty unless --force).", show_default=False
+    ),
     to: str = typer.Option(None, "--to", help="hf or dcp; default: the other format."),
     dtype: str = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as stored)."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (HF output)."),
-    verify: bool = typer.Option(False, "--verify", help="Load both sides, compare logits, print the max difference."),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="Largest safetensors file (HF output)."
+    ),
+    verify: bool = typer.Option(
+        False, "--verify", help="Load both sides, compare logits, print the max difference."
+    ),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST."),
-    model_config: Path = typer.Option(None, "--model-config", help="Folder with config.json and tokenizer (DCP -> HF)."),
+    model_config: Path = typer.Option(
+        None, "--model-config", help="Folder with config.json and tokenizer (DCP -> HF)."
+    ),
 ) -> None:
     """Convert sharded training checkpoints (DCP) to Hugging Face folders and back."""
     import time
@@ -301,7 +311,15 @@ def convert_checkpoint(
         _fail_line(f"--dtype must be bf16 or fp32, got {dtype}")
     start = time.perf_counter()
     try:
-        source, out = convert(src, dst, to=to, dtype=dtype, max_shard_size=max_shard_size, force=force, model_config=model_config)
+        source, out = convert(
+            src,
+            dst,
+            to=to,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            force=force,
+            model_config=model_config,
+        )
         typer.echo(f"converted {source.kind} {src} -> {dst} in {time.perf_counter() - start:.1f}s")
         if verify:
             diff = verify_logits(out, source, model_config)
@@ -315,6 +333,92 @@ def convert_checkpoint(
 def _fail_line(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(EXIT_BAD_INPUT)
+
+
+@app.command("eval")
+def eval_command(
+    recipe: Path = RECIPE,
+    overrides: list[str] = OVERRIDES,
+    checkpoint: Path = typer.Option(
+        None,
+        "--checkpoint",
+        help="HF folder, run directory (newest weights) or DCP recover entry; default: model.path.",
+    ),
+    out: Path = typer.Option(
+        None,
+        "--out",
+        help="Output folder (default: RUN/eval/<checkpoint>); a rerun skips finished samples.",
+    ),
+) -> None:
+    """Score a model or checkpoint on the recipe's eval section: accuracy and pass@k."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from areal_cli.evaluation.run import EvalInputError, run_eval
+    from areal_cli.launch.plan import build_plan
+
+    loaded, result = _load_and_check(recipe, overrides, "eval", launch=True)
+    plan = build_plan(loaded.config, result.allocation)
+    _check_ports_free(
+        plan.__class__(
+            **{**plan.__dict__, "processes": [p for p in plan.processes if p.name != "trainer"]}
+        ),
+        recipe,
+    )
+    console = Console(highlight=False)
+    try:
+        summary = run_eval(loaded, plan, checkpoint, out, _EvalProgress(console))
+    except EvalInputError as exc:
+        _fail_line(str(exc))
+    except RuntimeError as exc:
+        typer.echo(f"error: eval failed: {exc}", err=True)
+        raise typer.Exit(1) from None
+    table = Table(title="areal eval")
+    table.add_column("metric")
+    table.add_column("value", justify="right", overflow="fold")
+    for key, value in summary.items():
+        if key != "out":
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(
+        f"samples: {summary['out']}/samples.jsonl   summary: {summary['out']}/summary.json",
+        markup=False,
+    )
+
+
+class _EvalProgress:
+    """A rich progress bar with ETA over the eval samples."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.bar = None
+
+    def start(self, total: int, completed: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(
+            TextColumn("[bold]eval"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self.task = self.bar.add_task("eval", total=total, completed=completed)
+        self.bar.start()
+
+    def advance(self) -> None:
+        self.bar.advance(self.task)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def main() -> None:
