@@ -27,9 +27,20 @@ def run_areal(
     )
 
 
+SKIP_DIRS = {".venv", ".git", "__pycache__", ".cache", ".pytest_cache", ".ruff_cache", "runs"}
+
+
 def snapshot(root: Path) -> dict[str, float]:
-    """Every file and directory under root with its mtime, to prove nothing was written."""
-    return {str(p.relative_to(root)): p.stat().st_mtime for p in sorted(root.rglob("*"))}
+    """Every file and directory under root with its mtime, to prove nothing was written.
+
+    Python's bytecode caches, the virtualenv and git internals are not ours to judge."""
+    found = {}
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        for name in subdirs + files:
+            path = Path(directory) / name
+            found[str(path.relative_to(root))] = path.stat().st_mtime
+    return found
 
 
 @pytest.fixture
