@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint clean
+.PHONY: install test lint demo clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The CPU demo: builds the tiny model (cached after the first run) and trains it with RL.
+demo: install
+	$(BIN)/areal train recipes/tiny_cpu.yaml trial_name=demo-$$(date +%Y%m%d-%H%M%S)
 
 lint: install
 	$(BIN)/ruff check areal_cli tests scripts

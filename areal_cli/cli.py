@@ -211,14 +211,14 @@ def _serve_model_path(model: str, cache: Path) -> str:
     """A model folder for `serve`: builtin models are built in `cache` on first use."""
     if model.startswith("builtin:"):
         from areal_cli.config.schema import ModelConfig
+        from areal_cli.inference.builtin import BUILTIN_MODELS, materialize
 
         preset, seed = model.removeprefix("builtin:"), ModelConfig().seed
-        if preset not in ("tiny", "small"):
-            _die(f"unknown builtin model {model!r}; choose builtin:tiny or builtin:small")
-        from areal_cli.inference.tiny_model import build_tiny_model
-
-        typer.echo(f"building {model} in {cache} (first use only)", err=True)
-        return str(build_tiny_model(cache / f"{preset}-seed{seed}", preset, seed))
+        if preset not in BUILTIN_MODELS:
+            _die(
+                f"unknown builtin model {model!r}; choose one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}"
+            )
+        return str(materialize(preset, seed, cache / f"{preset}-seed{seed}"))
     path = Path(model).expanduser()
     if not path.is_dir():
         _die(f"model folder {model} does not exist (give a folder or builtin:tiny/builtin:small)")

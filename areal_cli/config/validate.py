@@ -23,7 +23,7 @@ from areal_cli.config.errors import ConfigErrors, ConfigProblem
 from areal_cli.config.loader import LoadedConfig, is_hub_id
 from areal_cli.config.schema import ExperimentConfig
 
-BUILTIN_MODELS = ("tiny", "small")
+BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # kept equal to areal_cli.inference.builtin
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -306,11 +306,11 @@ def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str)
         fix = f"download it beforehand (`hf download {repo_type}{value}`) or give a local path"
         (c.error if launch else c.warn)(key, message, fix)
         return None
-    c.error(
-        key,
-        f"{what} path does not exist: {value}",
-        "check the path (relative paths count from the recipe's folder)",
-    )
+    fix = "check the path (relative paths count from the recipe's folder)"
+    if what == "dataset" or launch:
+        c.error(key, f"{what} path does not exist: {value}", fix)
+    else:  # a plan needs no weights (DESIGN §1); a real run refuses to start without them
+        c.warn(key, f"{what} path does not exist yet: {value}; a real run needs it", fix)
     return None
 
 

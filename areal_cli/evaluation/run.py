@@ -38,12 +38,11 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> tupl
     """An HF folder to serve, and a short name for it (used for the default OUT)."""
     if checkpoint is None:
         if cfg.model.path.startswith("builtin:"):
-            built = run_dir_of(cfg) / "model"
-            if not (built / "config.json").exists():
-                from areal_cli.inference.tiny_model import build_tiny_model
+            from areal_cli.inference.builtin import materialize
 
-                build_tiny_model(built, preset=cfg.model.path.split(":", 1)[1], seed=cfg.model.seed)
-            return built, "initial"
+            built = run_dir_of(cfg) / "model"
+            built.parent.mkdir(parents=True, exist_ok=True)
+            return materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, built), "initial"
         return Path(cfg.model.path), "initial"
     if not checkpoint.exists():
         raise EvalInputError(f"checkpoint not found: {checkpoint}")

@@ -3,11 +3,11 @@
 `server_argv` builds the command line from the same flag builders as the launch plan, so
 `areal serve` and a training run start servers identically. `start_server` runs it in
 its own process group with output to a log file and returns once the server is ready:
-/health answers 200 and then /model_info answers 200 (the embedded server binds its port
-only after loading; SGLang answers /health while it still warms up, hence both). Any
-failure (the process exits, or the overall timeout passes) stops the process and raises
-`ServerStartError` with the log path and the log's last lines. `ServerProcess.stop` sends
-SIGTERM to the whole group, then SIGKILL after a grace period, so no child outlives it.
+/health answers 200, then /model_info answers 200 (with the API key, so a wrong key shows
+up here rather than on the first request). Any failure (the process exits, or the overall
+timeout passes) stops the process and raises `ServerStartError` with the log path and the
+log's last lines. `ServerProcess.stop` sends SIGTERM to the whole group, then SIGKILL
+after a grace period, so no child outlives it.
 
 Only the standard library is imported here: `areal serve` must start fast.
 """
@@ -171,7 +171,9 @@ def wait_ready(
     """Poll /health, then /model_info, within one overall deadline."""
     deadline = time.monotonic() + timeout_s
     for path in ("/health", "/model_info"):
-        while _status(server.url + path, api_key) != 200:
+        while (status := _status(server.url + path, api_key)) != 200:
+            if status in (401, 403):
+                raise server.failure(f"server {server.url} refused the API key on {path}")
             if not server.alive():
                 raise server.failure(
                     f"server {server.url} exited with code {server.proc.returncode} while starting"

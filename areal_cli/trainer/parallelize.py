@@ -32,7 +32,8 @@ def params_on_meta() -> Iterator[None]:
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None:
+        # A parameter already on meta is being shared (tied embeddings): keep the same object.
+        if param is not None and param.device.type != "meta":
             p = module._parameters[name]
             module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 

@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(path: Path, seed: int = 0, vocab: int = 96) -> Path:
+def make_model(path: Path, seed: int = 0, vocab: int = 96, tied: bool = False) -> Path:
     """A ~100k-parameter Llama saved with save_pretrained (fp32, untied)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -35,7 +35,7 @@ def make_model(path: Path, seed: int = 0, vocab: int = 96) -> Path:
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         initializer_range=0.1,
     )
     LlamaForCausalLM(config).save_pretrained(path)

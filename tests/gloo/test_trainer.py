@@ -168,3 +168,27 @@ def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Pa
     assert record["wait_s"] > 1.0 and record["weight_version"] == 1
     assert handoff.latest(run_dir / "weights", "v").version == 1
     assert sys.executable  # keep the import used
+
+
+def test_tied_embeddings_stay_tied_when_sharded(tmp_path: Path) -> None:
+    from tests.gloo.conftest import make_model
+
+    model = make_model(tmp_path / "tied", tied=True)
+    argv = [
+        TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(Path(__file__).with_name("tied_probe.py")),
+        str(model),
+    ]
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and "TIED-OK" in result.stdout, result.stderr[-3000:]

@@ -198,12 +198,6 @@ CASES = [
         ["dataset.path: dataset path does not exist"],
     ),
     (
-        "missing-model",
-        _set(BASE, "path: builtin:tiny", "path: ./models/none"),
-        [],
-        ["model.path: model path does not exist"],
-    ),
-    (
         "unknown-builtin-model",
         _set(BASE, "path: builtin:tiny", "path: builtin:huge"),
         [],
@@ -326,3 +320,20 @@ def test_repo_recipes_are_untouched_by_failures() -> None:
     result = run_areal("train", "recipes/tiny_cpu.yaml", "--dry-run", "rollout.batch_size=-3")
     assert result.returncode == 2
     assert snapshot(REPO / "recipes") == before
+
+
+def test_missing_model_warns_on_plans_and_stops_a_real_run(workdir: Path) -> None:
+    """A plan needs no weights (validate/--dry-run warn); `areal train` refuses to start."""
+    (workdir / "recipe.yaml").write_text(_set(BASE, "path: builtin:tiny", "path: ./models/none"))
+    planned = run_areal("validate", "recipe.yaml", cwd=workdir)
+    assert (
+        planned.returncode == 0
+        and "warning: recipe.yaml:9: model.path: model path does not exist yet" in planned.stderr
+    )
+    before = snapshot(workdir)
+    real = run_areal("train", "recipe.yaml", cwd=workdir)
+    assert (
+        real.returncode == 2
+        and "error: recipe.yaml:9: model.path: model path does not exist" in real.stderr
+    )
+    assert "Traceback" not in real.stderr and snapshot(workdir) == before
