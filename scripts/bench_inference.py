@@ -1,0 +1,345 @@
+"""Throughput of the embedded server against plain `model.generate()`, and weight-reload time.
+
+Usage: python scripts/bench_inference.py [--preset tiny|small] [--requests 64]
+       [--max-running-requests 16] [--threads 1] [--temperature 0] [--seed 0]
+       [--repeats 3] [--reloads 3] [--workdir DIR]
+
+One run, one model (the builtin preset, built offline), one fixed set of requests with
+mixed prompt lengths (8-64 tokens) and output lengths (max_new_tokens 8-128, ignore_eos,
+so every request produces exactly its length):
+
+  (a) embedded server: a real `python -m areal_cli.inference.server` subprocess on
+      loopback, all requests sent at once through the async `InferenceClient`;
+  (b) Hugging Face: `model.generate()` on static batches, in request order, left-padded.
+
+Fairness: the static batch size equals the server's --max-running-requests (the most
+requests it decodes together). Both sides get the same number of torch threads
+(--threads: OMP_NUM_THREADS/MKL_NUM_THREADS for the server, torch.set_num_threads here)
+and run one after the other, never at the same time. Both use the same sampling
+(greedy by default; with --temperature T both sample from the full softmax at T).
+Throughput counts only requested tokens: a static batch keeps decoding a short request
+until its longest neighbour is done, and those extra tokens are waste, not output.
+Both sides are warmed up, then timed alternately --repeats times; the best run of each
+counts (the machine may be shared, and other load only ever slows a run down). CPU time
+(of the server process, all threads; of this process for HF) is reported as well: it is
+less sensitive to other tenants than the wall clock.
+
+Weight reload: `/update_weights_from_disk` to a second checkpoint of the same
+architecture, timed from request to response, against reading the same safetensors
+bytes from disk. Before each timing the files' page cache is dropped with
+posix_fadvise(DONTNEED) (checked with `fincore` when present); when that is not possible
+the files are a fresh copy written just before, i.e. read from a warm page cache. The
+output says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from areal_cli.inference.client import InferenceClient
+from areal_cli.inference.launch import ServerProcess, start_server
+from areal_cli.inference.tiny_model import build_tiny_model, count_parameters
+
+FIRST_ORDINARY_ID = 10  # below are the special tokens of the builtin tokenizer
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens: int
+    seconds: float  # wall clock
+    cpu_seconds: float  # CPU time of the generating process, all its threads
+    outputs: list[list[int]]
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def cpu_rate(self) -> float:
+        return self.tokens / self.cpu_seconds
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-running-requests", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path("~/.cache/areal/bench"))
+    parser.add_argument("--repeats", type=int, default=3, help="Throughput runs (best).")
+    parser.add_argument("--reloads", type=int, default=3, help="Reload timings (median).")
+    return parser.parse_args()
+
+
+def make_requests(n: int, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(
+            [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(rng.randint(8, 64))],
+            rng.randint(8, 128),
+        )
+        for _ in range(n)
+    ]
+
+
+def sampling(req: Request, temperature: float) -> dict:
+    return {
+        "temperature": temperature,
+        "max_new_tokens": req.max_new_tokens,
+        "ignore_eos": True,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- (a) server
+
+
+def start(model: Path, args: argparse.Namespace, log: Path) -> ServerProcess:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "areal_cli.inference.server", "--model-path", str(model),
+        "--port", str(port), "--device", "cpu", "--dtype", "float32",
+        "--max-running-requests", str(args.max_running_requests),
+    ]  # fmt: skip
+    threads = str(args.threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "CUDA_VISIBLE_DEVICES": ""}
+    return start_server(argv, log, f"http://127.0.0.1:{port}", env=env, timeout_s=300)
+
+
+async def bench_server(
+    server: ServerProcess, reqs: list[Request], temperature: float
+) -> Throughput:
+    """All requests at once through the async client; the clock covers the whole set."""
+    async with InferenceClient([server.url], timeout_s=3600, retries=0) as client:
+        cpu, begin = cpu_seconds(server.pid), time.perf_counter()
+        answers = await asyncio.gather(
+            *(client.generate(r.prompt, sampling(r, temperature)) for r in reqs)
+        )
+        seconds, cpu = time.perf_counter() - begin, cpu_seconds(server.pid) - cpu
+    outputs = [a["output_ids"] for a in answers]
+    assert [len(o) for o in outputs] == [r.max_new_tokens for r in reqs]
+    return Throughput(sum(len(o) for o in outputs), seconds, cpu, outputs)
+
+
+# --------------------------------------------------------------------------- (b) HF
+
+
+def hf_generate(
+    model: torch.nn.Module, batch: list[Request], pad: int, temperature: float
+) -> tuple[torch.Tensor, int]:
+    """One static batch, left-padded; never stops early (ignore_eos on every row)."""
+    width = max(len(r.prompt) for r in batch)
+    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+    longest = max(r.max_new_tokens for r in batch)
+    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=longest,
+        min_new_tokens=longest,
+        eos_token_id=None,
+        pad_token_id=pad,
+        **(sample if temperature > 0 else {"do_sample": False}),
+    )
+    return out[:, width:], longest * len(batch)
+
+
+def load_hf(model_dir: Path, threads: int) -> torch.nn.Module:
+    torch.set_num_threads(threads)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def bench_hf(
+    model: torch.nn.Module, reqs: list[Request], size: int, temperature: float
+) -> tuple[Throughput, int]:
+    """Static batches of `size` in request order; returns the throughput and how many
+    tokens were decoded in all (requested plus waste)."""
+    pad = model.generation_config.pad_token_id or 0
+    batches = [reqs[i : i + size] for i in range(0, len(reqs), size)]
+    with torch.inference_mode():
+        cpu, begin = time.process_time(), time.perf_counter()
+        results = [hf_generate(model, b, pad, temperature) for b in batches]
+        seconds, cpu = time.perf_counter() - begin, time.process_time() - cpu
+    outputs = [
+        row[: r.max_new_tokens].tolist()
+        for (rows, _), batch in zip(results, batches, strict=True)
+        for row, r in zip(rows, batch, strict=True)
+    ]
+    generated = sum(n for _, n in results)
+    return Throughput(sum(r.max_new_tokens for r in reqs), seconds, cpu, outputs), generated
+
+
+# --------------------------------------------------------------------------- reload
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def evict(files: list[Path]) -> bool:
+    """Drop the files' page cache; True when `fincore` confirms nothing stays resident."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if shutil.which("fincore") is None:
+        return False
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+        capture_output=True,
+        text=True,
+    )
+    return out.returncode == 0 and all(v.strip() == "0" for v in out.stdout.split())
+
+
+def fresh_copy(source: Path, dest: Path) -> Path:
+    shutil.rmtree(dest, ignore_errors=True)
+    return Path(shutil.copytree(source, dest))
+
+
+def bench_reload(url: str, alt: Path, work: Path, repeats: int) -> tuple[float, float, int, bool]:
+    """Median seconds of the reload and of the raw read, the bytes, and whether cold."""
+    reload_s, read_s, cold = [], [], True
+
+    async def reload(path: Path, version: str) -> float:
+        async with InferenceClient([url], timeout_s=600, retries=0) as client:
+            begin = time.perf_counter()
+            await client.update_weights_from_disk(str(path), version)
+            return time.perf_counter() - begin
+
+    for i in range(repeats):
+        copy = fresh_copy(alt, work / f"reload-{i}")
+        cold &= evict(weight_files(copy))
+        reload_s.append(asyncio.run(reload(copy, f"v{i + 1}")))
+        shutil.rmtree(copy)  # the server has copied the tensors in; the folder is not used
+        copy = fresh_copy(alt, work / f"read-{i}")
+        files = weight_files(copy)
+        cold &= evict(files)
+        begin = time.perf_counter()
+        size = sum(len(path.read_bytes()) for path in files)
+        read_s.append(time.perf_counter() - begin)
+        shutil.rmtree(copy)
+    return statistics.median(reload_s), statistics.median(read_s), size, cold
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    args = parse_args()
+    work = args.workdir.expanduser() / args.preset
+    model_dir = build_tiny_model(work / "seed0", args.preset, seed=0)
+    alt_dir = build_tiny_model(work / "seed1", args.preset, seed=1)
+    vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+    reqs = make_requests(args.requests, vocab, args.seed)
+    model = load_hf(model_dir, args.threads)
+    size = args.max_running_requests
+    server = start(model_dir, args, work / "server.log")
+    try:
+        # Warm both up, then alternate so that load from other processes hits both alike;
+        # an idle server uses no CPU while HF runs.
+        asyncio.run(bench_server(server, reqs[:4], args.temperature))
+        bench_hf(model, [Request(r.prompt, 4) for r in reqs[:4]], size, args.temperature)
+        ours, hf = [], []
+        for _ in range(args.repeats):
+            ours.append(asyncio.run(bench_server(server, reqs, args.temperature)))
+            hf.append(bench_hf(model, reqs, size, args.temperature))
+        reload_s, read_s, nbytes, cold = bench_reload(server.url, alt_dir, work, args.reloads)
+    finally:
+        server.stop()
+    report(args, reqs, ours, [h for h, _ in hf], hf[0][1], count_parameters(model))
+    how = "page cache dropped before each (posix_fadvise, checked with fincore)"
+    if not cold:
+        how = "page cache NOT verified dropped: a fresh copy written just before (warm)"
+    print(
+        f"weight reload: /update_weights_from_disk {reload_s:.3f} s vs raw read {read_s:.3f} s "
+        f"of the same {nbytes / 1e6:.1f} MB ({reload_s / read_s:.1f}x; median of "
+        f"{args.reloads}; {how})"
+    )
+    return 0
+
+
+def report(
+    args: argparse.Namespace,
+    reqs: list[Request],
+    ours: list[Throughput],
+    hf: list[Throughput],
+    generated: int,
+    params: int,
+) -> None:
+    mode = "greedy" if args.temperature == 0 else f"sampled at T={args.temperature}"
+    size = args.max_running_requests
+    best_ours = min(ours, key=lambda r: r.seconds)
+    best_hf = min(hf, key=lambda r: r.seconds)
+    prompts = [len(r.prompt) for r in reqs]
+    lengths = [r.max_new_tokens for r in reqs]
+    print(
+        f"preset {args.preset} ({params / 1e6:.1f}M params), {len(reqs)} requests, prompts "
+        f"{min(prompts)}-{max(prompts)} tokens, outputs {min(lengths)}-{max(lengths)} tokens "
+        f"({sum(lengths)} in all), {mode}, {args.threads} torch thread(s) each side, "
+        f"best of {args.repeats} alternating runs"
+    )
+    cpu_ours = max(r.cpu_rate for r in ours)
+    cpu_hf = max(r.cpu_rate for r in hf)
+    print(
+        f"embedded server (HTTP, continuous batching, max_running_requests={size}): "
+        f"{best_ours.rate:.0f} tokens/s, {cpu_ours:.0f} tokens per CPU-second "
+        f"(runs: {_times(ours)})"
+    )
+    print(
+        f"HF model.generate (static batches of {size}, left-padded): {best_hf.rate:.0f} "
+        f"tokens/s, {cpu_hf:.0f} tokens per CPU-second (runs: {_times(hf)}; "
+        f"{generated} tokens decoded per run incl. waste)"
+    )
+    print(
+        f"ratio embedded/HF: {best_ours.rate / best_hf.rate:.2f} (wall clock), "
+        f"{cpu_ours / cpu_hf:.2f} (CPU time)"
+    )
+    if args.temperature == 0:
+        same = sum(a == h for a, h in zip(best_ours.outputs, best_hf.outputs, strict=True))
+        print(f"greedy outputs identical in both: {same}/{len(reqs)} requests")
+
+
+def _times(runs: list[Throughput]) -> str:
+    return ", ".join(f"{r.seconds:.2f} s wall/{r.cpu_seconds:.2f} s CPU" for r in runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
