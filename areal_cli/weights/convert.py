@@ -106,17 +106,35 @@ def _dcp_model_tensors(dcp_dir: Path) -> list[tuple[str, torch.Size, torch.dtype
 
 
 def iter_dcp_tensors(
-    dcp_dir: Path, dtype: torch.dtype | None = None
+    dcp_dir: Path, dtype: torch.dtype | None = None, group_bytes: int = 64 << 20
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs read one at a time from a DCP checkpoint."""
+    """(HF name, tensor) pairs read from a DCP checkpoint, in name order.
+
+    Tensors are loaded in groups of about `group_bytes` (one DCP read per group, which only
+    touches those tensors' byte ranges), so memory stays near max(group, largest tensor)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    for name, size, stored in _dcp_model_tensors(dcp_dir):
-        target = {MODEL_PREFIX + name: torch.empty(size, dtype=stored)}
-        dcp.load(target, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
-        tensor = target[MODEL_PREFIX + name]
-        yield name, tensor.to(dtype) if dtype is not None else tensor
+    reader = FileSystemReader(str(dcp_dir))
+    group: list[tuple[str, torch.Size, torch.dtype]] = []
+    size = 0
+
+    def load(specs: list) -> Iterator[tuple[str, torch.Tensor]]:
+        target = {MODEL_PREFIX + n: torch.empty(s, dtype=d) for n, s, d in specs}
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        for name, _, _ in specs:
+            tensor = target.pop(MODEL_PREFIX + name)
+            yield name, tensor.to(dtype) if dtype is not None else tensor
+
+    for spec in _dcp_model_tensors(dcp_dir):
+        n_bytes = spec[1].numel() * torch.empty((), dtype=spec[2]).element_size()
+        if group and size + n_bytes > group_bytes:
+            yield from load(group)
+            group, size = [], 0
+        group.append(spec)
+        size += n_bytes
+    if group:
+        yield from load(group)
 
 
 def find_model_dir(src: Source, override: Path | None) -> Path:
