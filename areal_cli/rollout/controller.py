@@ -328,7 +328,7 @@ def write_rollout_batch(
 # ---------------------------------------------------------------------------- weights
 
 
-async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.01) -> None:
+async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.005) -> None:
     """Load every newly published weights/vN on all servers and check they report it."""
     weights_dir = ctx.run_dir / "weights"
     while True:

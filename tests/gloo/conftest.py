@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from areal_cli.trainer.batch import RolloutBatch, write_batch
@@ -103,37 +102,28 @@ def write_config(path: Path, model: Path, fileroot: Path, **overrides: object) -
     return path
 
 
-def torchrun(
-    nproc: int, config: Path, *args: str, timeout: float = 300
-) -> subprocess.CompletedProcess:
-    """Run the trainer under real torchrun with `nproc` gloo ranks."""
+def torchrun_target(nproc: int, *target: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `torchrun ... TARGET` (a script, or -m module) with `nproc` gloo ranks; must succeed."""
     argv = [
-        TORCHRUN,
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "-m",
-        "areal_cli.trainer.main",
-        "--config",
-        str(config),
-        *args,
-    ]
+        TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *target,
+    ]  # fmt: skip
     env = {
         "OMP_NUM_THREADS": "1",
         "PATH": "/usr/bin:/bin",
         "PYTHONUNBUFFERED": "1",
         "HOME": str(Path.home()),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }
     result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    return make_model(tmp_path / "model")
+def torchrun(
+    nproc: int, config: Path, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run the trainer under real torchrun with `nproc` gloo ranks."""
+    return torchrun_target(
+        nproc, "-m", "areal_cli.trainer.main", "--config", str(config), *args, timeout=timeout
+    )

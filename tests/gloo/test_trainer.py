@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from areal_cli.weights import handoff
-from tests.gloo.conftest import TORCHRUN, free_port, make_batches, torchrun, write_config
+from tests.gloo.conftest import (
+    TORCHRUN,
+    free_port,
+    make_batches,
+    torchrun,
+    torchrun_target,
+    write_config,
+)
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
@@ -93,26 +99,8 @@ def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path, model_dir
     cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs")
     out = tmp_path / "out"
     out.mkdir()
-    argv = [
-        TORCHRUN,
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(Path(__file__).with_name("export_probe.py")),
-        str(cfg),
-        str(batches),
-        str(out),
-    ]
-    env = {
-        "OMP_NUM_THREADS": "1",
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-    }
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
+    probe = str(Path(__file__).with_name("export_probe.py"))
+    torchrun_target(2, probe, str(cfg), str(batches), str(out))
     exported = handoff.read_entry(out / "v1", verify_crc=True)
     hf = AutoModelForCausalLM.from_pretrained(exported.path, dtype=torch.float32).eval()
     saved = torch.load(out / "trainer_logits.pt")
@@ -167,28 +155,11 @@ def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Pa
     record = _metrics(run_dir)[0]
     assert record["wait_s"] > 1.0 and record["weight_version"] == 1
     assert handoff.latest(run_dir / "weights", "v").version == 1
-    assert sys.executable  # keep the import used
 
 
 def test_tied_embeddings_stay_tied_when_sharded(tmp_path: Path) -> None:
     from tests.gloo.conftest import make_model
 
     model = make_model(tmp_path / "tied", tied=True)
-    argv = [
-        TORCHRUN,
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(Path(__file__).with_name("tied_probe.py")),
-        str(model),
-    ]
-    env = {
-        "OMP_NUM_THREADS": "1",
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-    }
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0 and "TIED-OK" in result.stdout, result.stderr[-3000:]
+    result = torchrun_target(2, str(Path(__file__).with_name("tied_probe.py")), str(model))
+    assert "TIED-OK" in result.stdout
