@@ -127,3 +127,8 @@ def torchrun(
     return torchrun_target(
         nproc, "-m", "areal_cli.trainer.main", "--config", str(config), *args, timeout=timeout
     )
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return make_model(tmp_path / "model")
