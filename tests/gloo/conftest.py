@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from areal_cli.trainer.batch import RolloutBatch, write_batch
