@@ -12,8 +12,7 @@ tokenizer files and `model.safetensors`, gathered on rank 0.
 
 from __future__ import annotations
 
-import os
-import shutil
+import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -61,19 +60,7 @@ def save_recover(
     if rank == 0:
         handoff.write_json_atomic(tmp / "state.json", state)
         meta = {"step": step, "world_size": dist.get_world_size()}
-        files = handoff.record_tree(tmp)
-        manifest = {
-            "name": final.name,
-            "version": step,
-            "meta": meta,
-            "files": [vars(f) for f in files],
-        }
-        handoff.write_json_atomic(tmp / handoff.MANIFEST, manifest)
-        handoff.fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        handoff.fsync_dir(parent)
+        handoff.finish_entry(tmp, final, step, handoff.record_tree(tmp), meta)
         handoff.gc(parent, RECOVER_PREFIX, keep_last)
     dist.barrier()
     return final
@@ -123,12 +110,39 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _gathered_tensors(model: nn.Module, skip: set[str]):
-    """(name, full tensor) pairs of the model's state dict, gathered one at a time."""
-    for name, value in model.state_dict().items():
-        if name in skip:
-            continue
-        yield name, value.full_tensor() if hasattr(value, "full_tensor") else value
+def _owners(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], world: int) -> dict[str, int]:
+    """Which rank gathers and writes each tensor: largest first, onto the lightest rank."""
+    load = [0] * world
+    owners = {}
+    for name, dtype, shape in sorted(
+        specs, key=lambda s: -torch.Size(s[2]).numel() * torch.empty((), dtype=s[1]).element_size()
+    ):
+        rank = min(range(world), key=lambda r: load[r])
+        owners[name] = rank
+        load[rank] += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return owners
+
+
+def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
+    """The full tensor on rank `owner` (None elsewhere), from FSDP2's dim-0 shards.
+
+    A gather to one rank moves 1/world of the data an all-gather does; ranks gather the
+    tensors they own in parallel, so exporting costs about the model size over world."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not hasattr(value, "to_local"):
+        return value if rank == owner else None
+    placement = value.placements[0]
+    if not (placement.is_shard() and placement.dim == 0):
+        full = value.full_tensor()
+        return full if rank == owner else None
+    rows = value.shape[0]
+    chunk = -(-rows // world)
+    local = value.to_local().detach()
+    padded = local.new_zeros((chunk, *value.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)] if rank == owner else None
+    dist.gather(padded, parts, dst=owner)
+    return torch.cat(parts)[:rows] if rank == owner else None
 
 
 def export_hf(
@@ -141,40 +155,56 @@ def export_hf(
     keep_last: int | None = None,
     prefix: str = "v",
 ) -> Path | None:
-    """Publish an HF folder PARENT/NAME (collective; rank 0 writes).
+    """Publish an HF folder PARENT/NAME (collective; every rank writes a shard).
 
-    Tensors are gathered one by one and streamed into `model.safetensors` by a writer
-    thread, so gathering overlaps the disk write and no full copy of the model is held.
+    Each tensor is gathered only to the rank that owns it, and each rank streams its own
+    safetensors shard into the entry's temp directory (a writer thread overlaps gathering
+    and writing). Rank 0 adds the shard index, config and tokenizer, the manifest, and
+    renames the entry into place (handoff protocol).
     """
     from areal_cli.trainer.parallelize import model_files_to_copy
     from areal_cli.weights.safetensors_io import StreamingWriter
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    skip = {"lm_head.weight"} if tied else set()
-    specs = [(k, v.dtype, tuple(v.shape)) for k, v in model.state_dict().items() if k not in skip]
-    is_writer = dist.get_rank() == 0
-
-    def write(directory: Path) -> list[handoff.FileRecord]:
-        writer = StreamingWriter(directory, "model.safetensors", specs) if is_writer else None
-        try:
-            for _, tensor in _gathered_tensors(model, skip):  # collective: every rank iterates
-                if writer is not None:
-                    writer.put(tensor)
-        finally:
-            record = writer.close() if writer is not None else None
-        if not is_writer:
-            return []
-        return [record] + [
-            handoff.link_or_copy(src, directory) for src in model_files_to_copy(model_dir)
-        ]
-
-    path = None
-    if is_writer:
+    items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in items]
+    owners = _owners(specs, world)
+    files = (
+        ["model.safetensors"]
+        if world == 1
+        else [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
+    )
+    tmp = None
+    if rank == 0:
         handoff.remove_stale(parent)
-        path = handoff.write_entry(parent, name, version, write, meta).path
+        tmp = handoff.new_tmp_dir(parent, name)
+    tmp = Path(_broadcast_object(str(tmp) if tmp else None))
+    writer = StreamingWriter(tmp, files[rank], [s for s in specs if owners[s[0]] == rank])
+    try:
+        for key, value in items:  # collective: every rank walks the same order
+            full = _gather_to(value, owners[key])
+            if full is not None:
+                writer.put(full)
+    finally:
+        record = writer.close()
+    records = [None] * world
+    dist.all_gather_object(records, record)
+    path = None
+    if rank == 0:
+        if world > 1:
+            index = {
+                "metadata": {"total_size": sum(r.size for r in records)},
+                "weight_map": {k: files[owners[k]] for k, _, _ in specs},
+            }
+            records.append(
+                handoff.write_bytes(
+                    tmp, "model.safetensors.index.json", json.dumps(index, indent=1).encode()
+                )
+            )
+        records += [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
+        path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
         if keep_last:
             handoff.gc(parent, prefix, keep_last)
-    else:
-        write(Path())
     dist.barrier()
     return path

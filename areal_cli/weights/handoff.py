@@ -144,28 +144,45 @@ def write_entry(
     `write_files(tmp_dir)` writes the payload and returns its FileRecords. If NAME already
     exists (a re-run of the same step after a crash), it is replaced atomically.
     """
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = new_tmp_dir(parent, name)
     try:
-        files = write_files(tmp)
-        manifest = {
-            "name": name,
-            "version": version,
-            "created": time.time(),
-            "meta": meta or {},
-            "files": [{"name": f.name, "size": f.size, "crc32": f.crc32} for f in files],
-        }
-        write_json_atomic(tmp / MANIFEST, manifest)
-        fsync_dir(tmp)
-        final = parent / name
-        if final.exists():
-            _trash(final)
-        os.rename(tmp, final)
-        fsync_dir(parent)
+        return finish_entry(tmp, parent / name, version, write_files(tmp), meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def new_tmp_dir(parent: Path, name: str) -> Path:
+    """Step 1 of the protocol: a fresh `.tmp-NAME-*` directory inside `parent`."""
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def finish_entry(
+    tmp: Path,
+    final: Path,
+    version: int,
+    files: list[FileRecord],
+    meta: dict[str, Any] | None = None,
+) -> Entry:
+    """Steps 3-4: manifest last, fsync, rename `tmp` to `final` (replacing it), fsync parent.
+
+    For entries whose files several processes wrote into `tmp` (each fsyncing its own)."""
+    manifest = {
+        "name": final.name,
+        "version": version,
+        "created": time.time(),
+        "meta": meta or {},
+        "files": [{"name": f.name, "size": f.size, "crc32": f.crc32} for f in files],
+    }
+    write_json_atomic(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    if final.exists():
+        _trash(final)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
     return Entry(final, manifest)
 
 

@@ -33,7 +33,15 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
     entry = handoff.read_entry(run_dir / "weights" / f"v{version}", verify_crc=True)
-    return load_file(str(entry.path / "model.safetensors"))
+    return _load_all(entry.path)
+
+
+def _load_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder, however it is sharded."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -110,7 +118,7 @@ def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path, model_dir
     # and the export differs from the initial weights (the step really trained)
     assert (
         _max_diff(
-            load_file(str(exported.path / "model.safetensors")),
+            _load_all(exported.path),
             load_file(str(model_dir / "model.safetensors")),
         )
         > 1e-4
