@@ -330,12 +330,19 @@ def write_rollout_batch(
 
 async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.005) -> None:
     """Load every newly published weights/vN on all servers and check they report it."""
+    from areal_cli.inference.client import WeightUpdateFailed
+
     weights_dir = ctx.run_dir / "weights"
     while True:
-        entry = handoff.latest(weights_dir, "v")
-        if entry is not None and entry.version > state.version:
+        entry = handoff.newest_after(weights_dir, "v", state.version)
+        if entry is not None:
             t0 = time.perf_counter()
-            await ctx.inference.update_weights_from_disk(str(entry.path), entry.version)
+            try:
+                await ctx.inference.update_weights_from_disk(str(entry.path), entry.version)
+            except WeightUpdateFailed:
+                if entry.path.exists():
+                    raise
+                continue  # the trainer already replaced and collected it: load the newer one
             infos = await ctx.inference.model_info()
             reported = {str(info.get("weight_version")) for info in infos}
             if reported != {str(entry.version)}:
@@ -343,9 +350,14 @@ async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.
                     f"servers report weight versions {sorted(reported)} after loading v{entry.version}"
                 )
             load_s = time.perf_counter() - t0
+            now = time.time()
             state.handoff[entry.version] = {
                 "handoff_load_s": load_s,
-                "handoff_latency_s": time.time() - float(entry.manifest["created"]) + 0.0,
+                # From the finished entry (manifest written) to every server on vN ...
+                "handoff_latency_s": now - float(entry.manifest["created"]),
+                # ... and from the moment the trainer started writing it.
+                "handoff_total_s": now
+                - float(entry.meta.get("publish_started", entry.manifest["created"])),
             }
             state.version = entry.version
             state.version_changed.set()

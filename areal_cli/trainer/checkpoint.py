@@ -13,6 +13,7 @@ tokenizer files and `model.safetensors`, gathered on rank 0.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,7 @@ def export_hf(
     from areal_cli.trainer.parallelize import model_files_to_copy
     from areal_cli.weights.safetensors_io import StreamingWriter
 
+    meta = {**(meta or {}), "publish_started": time.time()}
     rank, world = dist.get_rank(), dist.get_world_size()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]

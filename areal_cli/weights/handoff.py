@@ -177,7 +177,11 @@ def finish_entry(
         "meta": meta or {},
         "files": [{"name": f.name, "size": f.size, "crc32": f.crc32} for f in files],
     }
-    write_json_atomic(tmp / MANIFEST, manifest)
+    # No temp name needed: nothing inside `tmp` is visible until the rename below.
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
     fsync_dir(tmp)
     if final.exists():
         _trash(final)
@@ -191,22 +195,37 @@ def read_entry(path: Path, *, verify_crc: bool = False) -> Entry:
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError as exc:
+    except OSError as exc:
         raise IncompleteEntry(f"{path}: no {MANIFEST} (not a finished entry)") from exc
     except ValueError as exc:
         raise IncompleteEntry(f"{manifest_path}: not valid JSON ({exc})") from exc
     for f in manifest.get("files", []):
         file_path = path / f["name"]
-        if not file_path.is_file():
-            raise IncompleteEntry(f"{path}: {f['name']} is listed in the manifest but missing")
-        size = file_path.stat().st_size
+        try:
+            size = file_path.stat().st_size
+        except OSError:  # missing, or the entry was just garbage-collected under us
+            raise IncompleteEntry(
+                f"{path}: {f['name']} is listed in the manifest but missing"
+            ) from None
         if size != f["size"]:
             raise IncompleteEntry(
                 f"{path}: {f['name']} has {size} bytes, the manifest says {f['size']}"
             )
-        if verify_crc and record_file(path, f["name"]).crc32 != f["crc32"]:
+        if verify_crc and _crc_or_none(path, f["name"]) != f["crc32"]:
             raise IncompleteEntry(f"{path}: {f['name']} fails its CRC-32 check (corrupt)")
     return Entry(path, manifest)
+
+
+def _crc_or_none(path: Path, name: str) -> int | None:
+    """CRC-32 of a file read back (read-only), or None if it cannot be read."""
+    crc = 0
+    try:
+        with open(path / name, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+    except OSError:
+        return None
+    return crc
 
 
 def _entry_number(name: str, prefix: str) -> int | None:
@@ -228,6 +247,29 @@ def list_entries(parent: Path, prefix: str) -> list[Entry]:
         except IncompleteEntry:
             continue
     return [entry for _, entry in sorted(numbered, key=lambda pair: pair[0])]
+
+
+def newest_after(parent: Path, prefix: str, number: int) -> Entry | None:
+    """The newest finished entry numbered above `number`, or None; cheap enough to poll
+    (it lists names and reads only the candidates' manifests, newest first)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return None
+    numbered = sorted(
+        (
+            (n, name)
+            for name in names
+            if (n := _entry_number(name, prefix)) is not None and n > number
+        ),
+        reverse=True,
+    )
+    for _, name in numbered:
+        try:
+            return read_entry(parent / name)
+        except IncompleteEntry:
+            continue
+    return None
 
 
 def latest(parent: Path, prefix: str) -> Entry | None:

@@ -93,3 +93,12 @@ def test_batch_round_trip(tmp_path: Path) -> None:
     assert back.versions.tolist() == [-1, 0, 1, -1, 1]
     with pytest.raises(ValueError, match="groups of 3"):
         RolloutBatch.from_sequences(seqs, [1.0, 0.0], group_size=3)
+
+
+def test_newest_after_skips_old_and_unfinished(tmp_path: Path) -> None:
+    for n in (1, 2, 3):
+        _write(tmp_path, n)
+    (tmp_path / "v9").mkdir()  # unfinished: no manifest
+    assert handoff.newest_after(tmp_path, "v", 1).version == 3
+    assert handoff.newest_after(tmp_path, "v", 3) is None
+    assert handoff.newest_after(tmp_path / "missing", "v", 0) is None
