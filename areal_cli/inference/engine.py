@@ -4,7 +4,11 @@ One scheduler thread owns the model. Each loop iteration it runs queued control 
 (abort, pause, weight swap, ...), prefills the newly admitted requests together in one
 right-padded forward pass, copies their KV into the running batch, runs one batched decode
 step and drops finished rows. Requests therefore join and leave the batch at decode-step
-boundaries, and a long request never holds back a short one.
+boundaries, and a long request never holds back a short one. When more requests wait
+than there are free rows, the default "lof" policy (longest output first, as SGLang names it) admits those with the most
+tokens left to generate first (requests queued over `max_queue_wait_s` go first), which
+keeps the batch full to the end; a joining group is prefilled in as few passes as pay off
+against the right padding between its short and long contexts.
 
 The running batch keeps its KV cache in preallocated per-layer buffers (`_SlotLayer`):
 row i holds its `kv_len` tokens left-aligned, a decode step writes each row's new token at
@@ -50,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 PauseMode = Literal["abort", "in_place", "retract"]
+SchedulePolicy = Literal["fcfs", "lof"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -288,6 +293,33 @@ def sample_tokens(logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     # One conversion per step: per-row .item() calls dominate small models.
     return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+
+
+# A prefill pass costs about this many (padded) prompt tokens on top of its tokens: on CPU
+# one pass reads all the weights once, which is worth ~25-50 tokens of compute for 1M-25M
+# parameter models.
+PREFILL_PASS_COST_TOKENS = 48
+
+
+def _split_by_length(seqs: list[_Sequence], pass_cost: int) -> list[list[_Sequence]]:
+    """Split a prefill group into passes of similar context length, minimising the padded
+    tokens plus `pass_cost` per pass (right padding to the longest context in a pass is
+    wasted compute). Exact DP over the length-sorted group."""
+    if len(seqs) <= 1:
+        return [seqs] if seqs else []
+    order = sorted(seqs, key=lambda s: s.kv_len)
+    sizes = [s.kv_len + 1 for s in order]
+    n = len(order)
+    best = [0] + [0] * n  # best[j]: cost of the first j sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        # the last pass is order[i:j], padded to sizes[j - 1]
+        best[j], cut[j] = min((best[i] + pass_cost + (j - i) * sizes[j - 1], i) for i in range(j))
+    parts, j = [], n
+    while j > 0:
+        parts.append(order[cut[j] : j])
+        j = cut[j]
+    return parts[::-1]
 
 
 def _rows(index: torch.Tensor) -> torch.Tensor:
@@ -559,11 +591,17 @@ class InferenceEngine:
         random_seed: int = 0,
         max_prefill_tokens: int = 8192,
         context_length: int | None = None,
+        schedule_policy: SchedulePolicy = "lof",
+        max_queue_wait_s: float = 10.0,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if schedule_policy not in ("fcfs", "lof"):
+            raise ValueError(f"unknown schedule_policy {schedule_policy!r}")
+        self.schedule_policy = schedule_policy
+        self.max_queue_wait_s = max_queue_wait_s
         self.model_path = str(model_path)
         self.device = resolve_device(device)
         self.max_running_requests = max_running_requests
@@ -836,6 +874,8 @@ class InferenceEngine:
         width = 0
         room = self.max_running_requests - len(self._batch.seqs)
         with self._cv:
+            if self.schedule_policy == "lof" and len(self._waiting) > room > 0:
+                self._reorder_waiting()
             while self._waiting and len(group) < room:
                 size = self._waiting[0].kv_len + 1
                 padded = (len(group) + 1) * max(width, size)
@@ -843,8 +883,23 @@ class InferenceEngine:
                     break
                 group.append(self._waiting.popleft())
                 width = max(width, size)
-        if group:
-            self._prefill(group)
+        for part in _split_by_length(group, PREFILL_PASS_COST_TOKENS):
+            self._prefill(part)
+
+    def _reorder_waiting(self) -> None:
+        """Longest-first: when more requests wait than there are free rows, admit those
+        with the most tokens left to generate first, so that the batch stays full to the
+        end instead of trailing off with a few long requests (fewer decode steps for the
+        same tokens). A request that has waited `max_queue_wait_s` goes first, in arrival
+        order, so short requests are never starved. Caller holds `_cv`."""
+        now = time.monotonic()
+
+        def key(seq: _Sequence) -> tuple[bool, float]:
+            if now - seq.created >= self.max_queue_wait_s:
+                return (False, seq.created)
+            return (True, -(seq.params.max_new_tokens - len(seq.output_ids)))
+
+        self._waiting = deque(sorted(self._waiting, key=key))
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """Prefill right-padded contexts in one forward pass and sample each next token."""

@@ -3,6 +3,7 @@
 Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1] [--port 30000]
        [--dtype float32|bfloat16] [--weight-version V] [--max-running-requests M]
        [--api-key K] [--served-model-name NAME] [--random-seed S] [--device auto|cpu|cuda]
+       [--schedule-policy lof|fcfs]
 
 Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /pause_generation, /continue_generation, /abort_request, /update_weight_version,
@@ -426,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument(
+        "--schedule-policy",
+        choices=["lof", "fcfs"],
+        default="lof",
+        help="Order in which queued requests join the batch (longest remaining first "
+        "keeps the batch full; requests queued over 10 s go first either way).",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--log-level", default="info")
     return parser
@@ -441,6 +449,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_running_requests=args.max_running_requests,
         weight_version=args.weight_version,
         random_seed=args.random_seed,
+        schedule_policy=args.schedule_policy,
     )
     name = args.served_model_name or args.model_path
     server = InferenceServer(engine, name, args.api_key)
