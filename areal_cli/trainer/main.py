@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             keep_last=cfg.saver.keep_last,
             prefix="step-",
         )
-    dist.destroy_process_group()
+    dist.barrier()  # the process then exits without tearing gloo down (see __main__)
 
 
 def run_one_step(
@@ -239,3 +240,10 @@ def run_one_step(
 
 if __name__ == "__main__":
     main()
+    # Every output is fsynced and every rank passed the final barrier. Skip process-group
+    # and interpreter teardown: gloo's background threads can abort the process there
+    # ("terminate called without an active exception"), turning a finished run into a
+    # failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
