@@ -125,7 +125,7 @@ def format_prompt(tokenizer: Any, row: Mapping[str, Any], cfg: DatasetConfig) ->
     """Token ids of the row's prompt, or None when longer than ``cfg.max_prompt_len``."""
     prompt = row[cfg.prompt_key]
     if cfg.apply_chat_template:
-        ids = _chat_ids(tokenizer, build_messages(prompt, cfg.system_prompt))
+        ids = chat_ids(tokenizer, build_messages(prompt, cfg.system_prompt))
     else:
         if not isinstance(prompt, str):
             raise DatasetError(
@@ -136,7 +136,7 @@ def format_prompt(tokenizer: Any, row: Mapping[str, Any], cfg: DatasetConfig) ->
     return ids if len(ids) <= cfg.max_prompt_len else None
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Apply the chat template with the generation prompt and return the token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetError(

@@ -136,10 +136,9 @@ class EpisodeClient:
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        from areal_cli.rollout.data import chat_ids
+
+        return chat_ids(self.tokenizer, messages)
 
 
 async def single_turn(client: EpisodeClient, sample: dict[str, Any]) -> Trajectory:

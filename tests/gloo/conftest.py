@@ -103,12 +103,17 @@ def write_config(path: Path, model: Path, fileroot: Path, **overrides: object) -
     return path
 
 
-def torchrun_target(nproc: int, *target: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `torchrun ... TARGET` (a script, or -m module) with `nproc` gloo ranks; must succeed."""
-    argv = [
+def torchrun_argv(nproc: int, *target: str) -> list[str]:
+    """`torchrun ... TARGET` (a script, or -m module) with `nproc` ranks on a free port."""
+    return [
         TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *target,
     ]  # fmt: skip
+
+
+def torchrun_target(nproc: int, *target: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `torchrun ... TARGET` with `nproc` gloo ranks; it must succeed."""
+    argv = torchrun_argv(nproc, *target)
     env = {
         "OMP_NUM_THREADS": "1",
         "PATH": "/usr/bin:/bin",

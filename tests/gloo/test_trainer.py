@@ -13,10 +13,9 @@ from safetensors.torch import load_file
 
 from areal_cli.weights import handoff
 from tests.gloo.conftest import (
-    TORCHRUN,
-    free_port,
     make_batches,
     torchrun,
+    torchrun_argv,
     torchrun_target,
     write_config,
 )
@@ -130,19 +129,7 @@ def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Pa
     cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs", total_train_steps=1)
     run_dir = tmp_path / "runs" / "gloo" / "t"
     (run_dir / "rollouts" / ".tmp-step-0-dead").mkdir(parents=True)  # a crashed writer's leftovers
-    argv = [
-        TORCHRUN,
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        "-m",
-        "areal_cli.trainer.main",
-        "--config",
-        str(cfg),
-    ]
+    argv = torchrun_argv(1, "-m", "areal_cli.trainer.main", "--config", str(cfg))
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,

@@ -27,6 +27,7 @@ class _Tokenizer:
     """Characters as token ids; a ChatML-like template."""
 
     eos_token_id = 1
+    chat_template = "<role>content EOS"
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
