@@ -107,7 +107,7 @@ def train(
 
             print_plan(plan, Console(), secret=secret)
         return
-    _check_ports_free(plan, recipe)
+    _check_ports_free(plan.processes, recipe)
     from areal_cli.metrics.display import make_sink
     from areal_cli.rollout.controller import run_training
 
@@ -122,14 +122,14 @@ def train(
     raise typer.Exit(code)
 
 
-def _check_ports_free(plan, recipe: Path) -> None:
+def _check_ports_free(processes: list, recipe: Path) -> None:
     """Every planned port must be free before anything starts (exit 2 otherwise)."""
     import socket
 
     from areal_cli.config.errors import ConfigProblem
 
     busy = []
-    for proc in plan.processes:
+    for proc in processes:
         for port in proc.ports:
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -306,9 +306,9 @@ def convert_checkpoint(
     from areal_cli.weights.convert import verify as verify_logits
 
     if to not in (None, "hf", "dcp"):
-        _fail_line(f"--to must be hf or dcp, got {to}")
+        _die(f"--to must be hf or dcp, got {to}")
     if dtype not in (None, "bf16", "fp32"):
-        _fail_line(f"--dtype must be bf16 or fp32, got {dtype}")
+        _die(f"--dtype must be bf16 or fp32, got {dtype}")
     start = time.perf_counter()
     try:
         source, out = convert(
@@ -327,12 +327,7 @@ def convert_checkpoint(
             if diff > 1e-3:
                 raise typer.Exit(1)
     except ConvertError as exc:
-        _fail_line(str(exc))
-
-
-def _fail_line(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(EXIT_BAD_INPUT)
+        _die(str(exc))
 
 
 @app.command("eval")
@@ -359,17 +354,12 @@ def eval_command(
 
     loaded, result = _load_and_check(recipe, overrides, "eval", launch=True)
     plan = build_plan(loaded.config, result.allocation)
-    _check_ports_free(
-        plan.__class__(
-            **{**plan.__dict__, "processes": [p for p in plan.processes if p.name != "trainer"]}
-        ),
-        recipe,
-    )
+    _check_ports_free([p for p in plan.processes if p.name != "trainer"], recipe)
     console = Console(highlight=False)
     try:
         summary = run_eval(loaded, plan, checkpoint, out, _EvalProgress(console))
     except EvalInputError as exc:
-        _fail_line(str(exc))
+        _die(str(exc))
     except RuntimeError as exc:
         typer.echo(f"error: eval failed: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -22,8 +22,8 @@ from areal_cli.config.allocation import AllocationError, AllocationMode, parse_a
 from areal_cli.config.errors import ConfigErrors, ConfigProblem
 from areal_cli.config.loader import LoadedConfig, is_hub_id
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.inference.builtin import BUILTIN_MODELS
 
-BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # kept equal to areal_cli.inference.builtin
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

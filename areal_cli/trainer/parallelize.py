@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,8 +139,3 @@ def model_files_to_copy(model_dir: Path) -> list[Path]:
         ):
             keep.append(p)
     return keep
-
-
-def read_model_config(model_dir: Path) -> dict:
-    """config.json of a model folder as a dict."""
-    return json.loads((model_dir / "config.json").read_text())
