@@ -1,4 +1,4 @@
-"""Usage: python scripts/bench_async.py [--steps 12] [--batch-size 8] [--group-size 4] [--max-new-tokens 8]
+"""Usage: python scripts/bench_async.py [--steps 30] [--batch-size 1] [--group-size 4] [--max-new-tokens 64]
 
 Runs the tiny CPU recipe twice in one invocation, with rollout.max_staleness=0
 (synchronous RL) and =2 (asynchronous), for the same number of steps, and prints:
@@ -11,7 +11,9 @@ Runs the tiny CPU recipe twice in one invocation, with rollout.max_staleness=0
     against the raw disk time of the same bytes (dd write with fdatasync + read back).
 The server and the trainer get one core each (cluster.n_cpus=2, allocation
 embedded:d1+fsdp:d1), the CPU counterpart of disjoint GPUs. The default batch shape
-(8 prompts x 4 samples, 8 new tokens) is chosen so that G and T are comparable.
+(1 prompt x 4 samples, 64 new tokens) is chosen so that G and T are comparable (both
+~0.08 s per step on the CI machine): generating is cheap per token next to training on
+this tiny model, so a small batch with long answers balances the two.
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description="Synchronous vs asynchronous steps/s on the tiny recipe."
     )
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=2, help="Warm-up steps left out of the rate.")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--model", default="", help="Model folder (default: the recipe's).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
     args = parser.parse_args()
@@ -107,7 +109,8 @@ def main() -> None:
         asyn = run(work, 2, args)
         version = next((work / "tiny-cpu" / "stale2" / "weights").glob("v*"))
         n_bytes = sum(f.stat().st_size for f in version.glob("*.safetensors"))
-        disk = statistics.median(disk_seconds(work / "dd.bin", n_bytes) for _ in range(3))
+        # The virtual disk's fdatasync time varies run to run: take the median of 7.
+        disk = statistics.median(disk_seconds(work / "dd.bin", n_bytes) for _ in range(7))
     finally:
         if args.keep:
             print(f"kept {work}")
@@ -118,9 +121,7 @@ def main() -> None:
     train = statistics.median(r["trainer_step_s"] + r["handoff_save_s"] for r in steady)
     # In sync mode the trainer waits while the batch is generated (and the weights load).
     gen = statistics.median(r["trainer_wait_s"] for r in steady)
-    handoff = statistics.median(
-        r["handoff_save_s"] + r["handoff_latency_s"] for r in asyn[args.skip :]
-    )
+    handoff = statistics.median(r["handoff_total_s"] for r in asyn[args.skip :])
     print(
         f"batch: {args.batch_size} prompts x {args.group_size} samples, {args.max_new_tokens} new tokens; {args.steps} steps"
     )
@@ -131,7 +132,7 @@ def main() -> None:
         f"per step: G (generate) {gen:.2f}s  T (train + publish) {train:.2f}s  cap (G+T)/max(G,T) = {(gen + train) / max(gen, train):.2f}"
     )
     print(
-        f"handoff: {handoff * 1000:.0f} ms (publish start -> all servers on vN) vs raw disk {disk * 1000:.0f} ms for {n_bytes / 1e6:.1f} MB: {handoff / disk:.2f}x (target <= 2)"
+        f"handoff: {handoff * 1000:.1f} ms (publish start -> all servers on vN) vs raw disk {disk * 1000:.1f} ms for {n_bytes / 1e6:.1f} MB: {handoff / disk:.2f}x (target <= 2)"
     )
 
 

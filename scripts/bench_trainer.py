@@ -3,7 +3,8 @@
 Measures, in one run on the same model and batch:
   1. the 2-rank FSDP2 trainer step (real torchrun, gloo, 1 thread per rank) against a plain
      single-process loop (2 threads) running the same PPO math with no FSDP;
-  2. the weight-publish time (gather, safetensors, fsync, manifest, rename) against
+  2. the weight-publish time (every rank writes its rows into one safetensors file, fsync,
+     manifest, rename; old versions are deleted in the background) against
      `dd if=/dev/zero of=... bs=4M conv=fdatasync` writing the same number of bytes.
 Prints both times and their ratios. Targets: publish <= 1.5x the disk limit.
 """

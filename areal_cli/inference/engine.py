@@ -34,6 +34,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -43,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -210,6 +211,14 @@ class EngineStats:
     num_running: int
     num_waiting: int
     progress: dict[str, int]  # rid -> output tokens so far, running and waiting requests
+
+
+class WeightUpdate(NamedTuple):
+    """What `update_weights_from_disk` did."""
+
+    ok: bool
+    message: str
+    stats: EngineStats | None  # the engine right after the swap; None when refused
 
 
 @dataclass(eq=False)
@@ -774,11 +783,11 @@ class InferenceEngine:
         weight_version: str | None = None,
         *,
         abort_all_requests: bool = False,
-    ) -> tuple[bool, str]:
+    ) -> WeightUpdate:
         """Load `model_path` on the calling thread, validate it, then swap it in atomically
-        at a decode-step boundary. On any problem return (False, reason) and keep the old
-        weights. In-flight requests keep their KV cache and continue on the new weights;
-        their `weight_versions` spans show where the switch happened."""
+        at a decode-step boundary. On any problem return ok=False with the reason and keep
+        the old weights. In-flight requests keep their KV cache and continue on the new
+        weights; their `weight_versions` spans show where the switch happened."""
         with self._update_lock:
             old = self._weight_version
             try:
@@ -787,10 +796,13 @@ class InferenceEngine:
             except WeightLoadError as exc:
                 message = f"refused weights from {model_path}: {exc}; still serving {old!r}"
                 logger.warning(message)
-                return False, message
+                return WeightUpdate(False, message, None)
             version = old if weight_version is None else str(weight_version)
-            self._call(lambda: self._swap(tensors, version, str(model_path), abort_all_requests))
-        return True, f"loaded weights from {model_path}; weight version {old!r} -> {version!r}"
+            stats = self._call(
+                lambda: self._swap(tensors, version, str(model_path), abort_all_requests)
+            )
+        message = f"loaded weights from {model_path}; weight version {old!r} -> {version!r}"
+        return WeightUpdate(True, message, stats)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the scheduler; unfinished requests end with an abort finish reason."""
@@ -833,6 +845,10 @@ class InferenceEngine:
                 self._commands.clear()
             for fn, future in commands:
                 self._run_command(fn, future)
+            if commands:
+                # Let the threads waiting for these results run now: on a busy core the
+                # OS would otherwise leave them queued behind the next steps (~2 ms).
+                os.sched_yield()
             if not self._paused:
                 self._step()
         self._shutdown_cleanup()
@@ -1038,13 +1054,16 @@ class InferenceEngine:
 
     def _swap(
         self, tensors: dict[str, torch.Tensor], version: str, path: str, abort_all: bool
-    ) -> None:
+    ) -> EngineStats:
+        """Scheduler thread: swap the weights in; returns the engine's state right after
+        (so a caller needs no second round trip to the scheduler to report it)."""
         if abort_all:
             self._abort_where(lambda s: True, "aborted by update_weights_from_disk")
         self._weights.copy_in(tensors)
         self._weight_version = version
         self.model_path = path
         logger.info("weights swapped to %s (version %s)", path, version)
+        return self._snapshot()
 
     def _snapshot(self) -> EngineStats:
         with self._cv:

@@ -152,16 +152,26 @@ class InferenceServer:
         if not body.get("model_path"):
             raise BadRequest("model_path is required")
         # flush_cache is accepted and ignored: this engine keeps no prefix cache.
-        ok, message = await asyncio.to_thread(
-            self.engine.update_weights_from_disk,
-            body["model_path"],
-            body.get("weight_version"),
-            abort_all_requests=bool(body.get("abort_all_requests", False)),
-        )
-        stats = await asyncio.to_thread(self.engine.stats)
-        paused = stats.num_running + stats.num_waiting if stats.paused else 0
-        content = {"success": ok, "message": message, "num_paused_requests": paused}
-        return web.json_response(content, status=200 if ok else 400)
+
+        def update() -> dict[str, Any]:
+            ok, message, stats = self.engine.update_weights_from_disk(
+                body["model_path"],
+                body.get("weight_version"),
+                abort_all_requests=bool(body.get("abort_all_requests", False)),
+            )
+            if stats is None:  # refused: the engine did not change
+                stats = self.engine.stats()
+            paused = stats.num_running + stats.num_waiting if stats.paused else 0
+            # SGLang's three fields, plus the version now served (saves a /model_info call).
+            return {
+                "success": ok,
+                "message": message,
+                "num_paused_requests": paused,
+                "weight_version": stats.weight_version,
+            }
+
+        content = await asyncio.to_thread(update)
+        return web.json_response(content, status=200 if content["success"] else 400)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await _body(request)).get("mode", "abort")

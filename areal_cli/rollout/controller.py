@@ -328,40 +328,51 @@ def write_rollout_batch(
 # ---------------------------------------------------------------------------- weights
 
 
-async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.005) -> None:
-    """Load every newly published weights/vN on all servers and check they report it."""
+async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.02) -> None:
+    """Load every newly published weights/vN on all servers and check they report it.
+
+    Woken by inotify the moment an entry is renamed into weights/; `poll_s` is only the
+    fallback for filesystems that do not report renames (another node's NFS client)."""
     from areal_cli.inference.client import WeightUpdateFailed
 
     weights_dir = ctx.run_dir / "weights"
-    while True:
-        entry = handoff.newest_after(weights_dir, "v", state.version)
-        if entry is not None:
-            t0 = time.perf_counter()
-            try:
-                await ctx.inference.update_weights_from_disk(str(entry.path), entry.version)
-            except WeightUpdateFailed:
-                if entry.path.exists():
-                    raise
-                continue  # the trainer already replaced and collected it: load the newer one
-            infos = await ctx.inference.model_info()
-            reported = {str(info.get("weight_version")) for info in infos}
-            if reported != {str(entry.version)}:
-                raise RunFailed(
-                    f"servers report weight versions {sorted(reported)} after loading v{entry.version}"
-                )
-            load_s = time.perf_counter() - t0
-            now = time.time()
-            state.handoff[entry.version] = {
-                "handoff_load_s": load_s,
-                # From the finished entry (manifest written) to every server on vN ...
-                "handoff_latency_s": now - float(entry.manifest["created"]),
-                # ... and from the moment the trainer started writing it.
-                "handoff_total_s": now
-                - float(entry.meta.get("publish_started", entry.manifest["created"])),
-            }
-            state.version = entry.version
-            state.version_changed.set()
-        await asyncio.sleep(poll_s)
+    watcher = handoff.Watcher(weights_dir)
+    try:
+        while True:
+            entry = handoff.newest_after(weights_dir, "v", state.version)
+            if entry is not None:
+                t0 = time.perf_counter()
+                try:
+                    answers = await ctx.inference.update_weights_from_disk(
+                        str(entry.path), entry.version
+                    )
+                except WeightUpdateFailed:
+                    if entry.path.exists():
+                        raise
+                    continue  # the trainer already replaced and collected it: load the newer one
+                if not all("weight_version" in answer for answer in answers):
+                    answers = await ctx.inference.model_info()  # SGLang does not say in its answer
+                reported = {str(answer.get("weight_version")) for answer in answers}
+                if reported != {str(entry.version)}:
+                    raise RunFailed(
+                        f"servers report weight versions {sorted(reported)} after loading v{entry.version}"
+                    )
+                load_s = time.perf_counter() - t0
+                now = time.time()
+                state.handoff[entry.version] = {
+                    "handoff_load_s": load_s,
+                    # From the finished entry (manifest written) to every server on vN ...
+                    "handoff_latency_s": now - float(entry.manifest["created"]),
+                    # ... and from the moment the trainer started writing it.
+                    "handoff_total_s": now
+                    - float(entry.meta.get("publish_started", entry.manifest["created"])),
+                }
+                state.version = entry.version
+                state.version_changed.set()
+                continue  # a newer one may have landed while this one loaded
+            await watcher.wait_async(poll_s)
+    finally:
+        watcher.close()
 
 
 # ---------------------------------------------------------------------------- metrics

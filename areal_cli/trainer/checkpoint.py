@@ -7,20 +7,25 @@ barrier rank 0 records the files, writes the manifest and renames (see handoff).
 reshards on load, so a checkpoint from 2 ranks resumes on 1.
 
 Export: `RUN/weights/vN/` (and `RUN/checkpoints/`) hold a plain HF folder: config,
-tokenizer files and `model.safetensors`, gathered on rank 0.
+tokenizer files and one `model.safetensors`, which every rank writes its shards into.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import math
 import time
 import uuid
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from areal_cli.weights import handoff
 
@@ -28,6 +33,8 @@ RECOVER_PREFIX = "step-"
 
 
 def _broadcast_object(obj: Any) -> Any:
+    if dist.get_world_size() == 1:
+        return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -71,8 +78,6 @@ def load_recover(
     entry: handoff.Entry, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Restore model, optimizer and (same world size) RNG; returns state.json."""
-    import json
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
@@ -111,39 +116,80 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _owners(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], world: int) -> dict[str, int]:
-    """Which rank gathers and writes each tensor: largest first, onto the lightest rank."""
-    load = [0] * world
-    owners = {}
-    for name, dtype, shape in sorted(
-        specs, key=lambda s: -torch.Size(s[2]).numel() * torch.empty((), dtype=s[1]).element_size()
-    ):
-        rank = min(range(world), key=lambda r: load[r])
-        owners[name] = rank
-        load[rank] += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return owners
+# How `export_hf` writes one tensor: this rank's rows at an offset, the whole plain tensor
+# (rank 0), the gathered `full_tensor()` (collective; rank 0 writes), or nothing here.
+_ROWS, _WHOLE, _FULL, _NONE = "rows", "whole", "full", "none"
 
 
-def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
-    """The full tensor on rank `owner` (None elsewhere), from FSDP2's dim-0 shards.
+@dataclass(frozen=True)
+class _ExportPlan:
+    """What this rank writes where in `model.safetensors`. Shapes and shardings do not
+    change between steps, so the plan is built once per model and reused."""
 
-    A gather to one rank moves 1/world of the data an all-gather does; ranks gather the
-    tensors they own in parallel, so exporting costs about the model size over world."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if not hasattr(value, "to_local"):
-        return value if rank == owner else None
-    placement = value.placements[0]
-    if not (placement.is_shard() and placement.dim == 0):
-        full = value.full_tensor()
-        return full if rank == owner else None
-    rows = value.shape[0]
-    chunk = -(-rows // world)
-    local = value.to_local().detach()
-    padded = local.new_zeros((chunk, *value.shape[1:]))
-    padded[: local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in range(world)] if rank == owner else None
-    dist.gather(padded, parts, dst=owner)
-    return torch.cat(parts)[:rows] if rank == owner else None
+    signature: tuple  # the state_dict's names and shapes the plan was built for
+    header: bytes
+    size: int
+    writes: tuple[tuple[str, str, int], ...]  # (name, how, file offset)
+
+
+def _signature(items: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((k, v.dtype, tuple(v.shape)) for k, v in items)
+
+
+def _build_plan(items: list[tuple[str, torch.Tensor]]) -> _ExportPlan:
+    """FSDP2 shards every parameter along dim 0 in `torch.chunk` pieces, and the rows of a
+    row-major tensor are contiguous bytes, so each rank can write its own rows straight
+    into the exported file. Anything else is written whole by rank 0."""
+    from areal_cli.weights.safetensors_io import layout
+
+    signature = _signature(items)
+    header, starts, size = layout(signature)
+    writes = []
+    for name, value in items:
+        how, offset = (_WHOLE if dist.get_rank() == 0 else _NONE), starts[name]
+        if hasattr(value, "to_local"):
+            how = _FULL
+            mesh, placements = value.device_mesh, value.placements
+            local_rows = value.to_local().shape[0] if value.ndim else -1
+            if mesh.ndim == 1 and tuple(placements) == (Shard(0),):
+                rows, chunk = value.shape[0], -(-value.shape[0] // mesh.size())
+                start = min(mesh.get_local_rank() * chunk, rows)
+                if local_rows == min(start + chunk, rows) - start:
+                    how = _ROWS if local_rows else _NONE
+                    offset += start * math.prod(value.shape[1:]) * value.element_size()
+        writes.append((name, how, offset))
+    return _ExportPlan(signature, header, size, tuple(writes))
+
+
+_plans: weakref.WeakKeyDictionary[nn.Module, _ExportPlan] = weakref.WeakKeyDictionary()
+
+
+def _export_plan(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> _ExportPlan:
+    plan = _plans.get(model)
+    if plan is None or plan.signature != _signature(items):
+        plan = _plans[model] = _build_plan(items)
+    return plan
+
+
+_cleaner: concurrent.futures.ThreadPoolExecutor | None = None
+_cleaning: concurrent.futures.Future | None = None
+
+
+def _collect_in_background(parent: Path, prefix: str, keep_last: int) -> None:
+    """Delete old entries while the next step trains: unlinking a few hundred MB takes
+    longer than the whole rest of a publish, and nothing needs to wait for it."""
+    global _cleaner, _cleaning
+    wait_for_cleanup()
+    _cleaner = _cleaner or concurrent.futures.ThreadPoolExecutor(1, "areal-gc")
+    _cleaning = _cleaner.submit(handoff.gc, parent, prefix, keep_last)
+
+
+def wait_for_cleanup() -> None:
+    """Finish the pending background collection; re-raises its error, if any."""
+    global _cleaning
+    if _cleaning is not None:
+        pending, _cleaning = _cleaning, None
+        pending.result()
 
 
 def export_hf(
@@ -156,57 +202,58 @@ def export_hf(
     keep_last: int | None = None,
     prefix: str = "v",
 ) -> Path | None:
-    """Publish an HF folder PARENT/NAME (collective; every rank writes a shard).
+    """Publish an HF folder PARENT/NAME (collective: every rank writes its own shards).
 
-    Each tensor is gathered only to the rank that owns it, and each rank streams its own
-    safetensors shard into the entry's temp directory (a writer thread overlaps gathering
-    and writing). Rank 0 adds the shard index, config and tokenizer, the manifest, and
-    renames the entry into place (handoff protocol).
+    Rank 0 creates `model.safetensors` at its final size with the header; then each rank
+    `pwrite`s the rows of every parameter it holds at their offsets and fsyncs, so no
+    weight crosses between ranks. Rank 0 combines the pieces' CRC-32s into the file's,
+    adds config and tokenizer, the manifest, and renames the entry into place (handoff
+    protocol). This needs a filesystem where writes from several processes to disjoint
+    ranges of one file are safe: local disks, NFS, Lustre and GPFS all are.
     """
     from areal_cli.trainer.parallelize import model_files_to_copy
-    from areal_cli.weights.safetensors_io import StreamingWriter
+    from areal_cli.weights.safetensors_io import PieceWriter
 
     meta = {**(meta or {}), "publish_started": time.time()}
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
-    specs = [(k, v.dtype, tuple(v.shape)) for k, v in items]
-    owners = _owners(specs, world)
-    files = (
-        ["model.safetensors"]
-        if world == 1
-        else [f"model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
-    )
-    tmp = None
+    plan = _export_plan(model, items)
+    file_name = "model.safetensors"
+    tmp, header_piece = None, None
     if rank == 0:
+        wait_for_cleanup()
         handoff.remove_stale(parent)
         tmp = handoff.new_tmp_dir(parent, name)
-    tmp = Path(_broadcast_object(str(tmp) if tmp else None))
-    writer = StreamingWriter(tmp, files[rank], [s for s in specs if owners[s[0]] == rank])
+        header_piece = PieceWriter.create(tmp / file_name, plan.header, plan.size)
+    tmp = Path(_broadcast_object(str(tmp) if tmp else None))  # also: the file now exists
+    writer = PieceWriter(tmp / file_name)
     try:
-        for key, value in items:  # collective: every rank walks the same order
-            full = _gather_to(value, owners[key])
-            if full is not None:
-                writer.put(full)
+        with torch.no_grad():
+            # collective: every rank walks the same order (full_tensor() gathers)
+            for (_, value), (_, how, offset) in zip(items, plan.writes, strict=True):
+                if how == _ROWS:
+                    writer.write(offset, value.to_local())
+                elif how == _FULL:
+                    full = value.full_tensor()
+                    if rank == 0:
+                        writer.write(offset, full)
+                elif how == _WHOLE:
+                    writer.write(offset, value)
     finally:
-        record = writer.close()
-    records = [None] * world
-    dist.all_gather_object(records, record)
+        pieces = writer.close()
+    gathered: list[Any] = [pieces]
+    if dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, pieces)
     path = None
     if rank == 0:
-        if world > 1:
-            index = {
-                "metadata": {"total_size": sum(r.size for r in records)},
-                "weight_map": {k: files[owners[k]] for k, _, _ in specs},
-            }
-            records.append(
-                handoff.write_bytes(
-                    tmp, "model.safetensors.index.json", json.dumps(index, indent=1).encode()
-                )
-            )
+        all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
+        records = [handoff.combine_pieces(file_name, plan.size, all_pieces)]
         records += [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
         path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
         if keep_last:
-            handoff.gc(parent, prefix, keep_last)
-    dist.barrier()
+            _collect_in_background(parent, prefix, keep_last)
+    if dist.get_world_size() > 1:
+        dist.barrier()
     return path

@@ -94,16 +94,23 @@ def wait_for_entry(parent: Path, name: str, fixed: bool) -> tuple[handoff.Entry,
     start = time.perf_counter()
     path = parent / name
     announced = False
-    while True:
-        try:
-            return handoff.read_entry(path), time.perf_counter() - start
-        except handoff.IncompleteEntry:
-            if fixed:
-                raise FileNotFoundError(f"fixed batch {path} is missing or incomplete") from None
-            if not announced:
-                print0(f"[trainer] waiting for {path}")
-                announced = True
-            time.sleep(POLL_S)
+    watcher = None if fixed else handoff.Watcher(parent)
+    try:
+        while True:
+            try:
+                return handoff.read_entry(path), time.perf_counter() - start
+            except handoff.IncompleteEntry:
+                if watcher is None:
+                    raise FileNotFoundError(
+                        f"fixed batch {path} is missing or incomplete"
+                    ) from None
+                if not announced:
+                    print0(f"[trainer] waiting for {path}")
+                    announced = True
+                watcher.wait(POLL_S)
+    finally:
+        if watcher is not None:
+            watcher.close()
 
 
 def setup_distributed(cfg: ExperimentConfig) -> str:
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             keep_last=cfg.saver.keep_last,
             prefix="step-",
         )
+    checkpoint.wait_for_cleanup()
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
 
 

@@ -10,6 +10,7 @@ no second copy of the whole model is ever built in memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from areal_cli.weights.handoff import FileRecord
+from areal_cli.weights.handoff import FileRecord, Piece, Writeback
 
 _DTYPES = {
     torch.float32: "F32",
@@ -35,12 +36,15 @@ _DTYPES = {
 }
 
 
-def header_bytes(
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> bytes:
-    """The length prefix and JSON header for tensors of the given names, dtypes and shapes."""
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
+@functools.lru_cache(maxsize=8)  # a trainer publishes the same layout every step
+def layout(
+    specs: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+) -> tuple[bytes, dict[str, int], int]:
+    """The header (length prefix + JSON), each tensor's absolute byte offset in the file, and
+    the file's total size, for tensors of the given names, dtypes and shapes in that order.
+    The result is shared between callers: do not modify it."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset, starts = 0, {}
     for name, dtype, shape in specs:
         n_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         header[name] = {
@@ -48,10 +52,12 @@ def header_bytes(
             "shape": list(shape),
             "data_offsets": [offset, offset + n_bytes],
         }
+        starts[name] = offset
         offset += n_bytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-    return len(raw).to_bytes(8, "little") + raw
+    raw = len(raw).to_bytes(8, "little") + raw
+    return raw, {name: len(raw) + start for name, start in starts.items()}, len(raw) + offset
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -80,14 +86,18 @@ class StreamingWriter:
         self._error: BaseException | None = None
         self._size = 0
         self._crc = 0
-        self._file = open(directory / name, "wb")  # noqa: SIM115 - closed in close()
-        self._write(header_bytes(specs))
+        self._file = open(directory / name, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._writeback = Writeback(self._file.fileno())
+        self._write(layout(tuple(specs))[0])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _write(self, data: bytes | memoryview) -> None:
-        self._file.write(data)
+        view = memoryview(data)
+        while view:  # unbuffered: a write may take less than asked
+            view = view[self._file.write(view) :]
         self._crc = zlib.crc32(data, self._crc)
+        self._writeback.wrote(self._size, len(data))
         self._size += len(data)
 
     def _run(self) -> None:
@@ -106,12 +116,50 @@ class StreamingWriter:
         """Finish writing, fsync, and return the file's record; re-raises writer errors."""
         self._queue.put(None)
         self._thread.join()
-        self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         if self._error is not None:
             raise self._error
         return FileRecord(self.name, self._size, self._crc)
+
+
+class PieceWriter:
+    """Write byte ranges of one preallocated file, from several processes at once.
+
+    Usage: one process calls `PieceWriter.create(path, header, size)`; then every writer
+    opens `PieceWriter(path)`, calls `write(offset, tensor)` for its ranges (`os.pwrite`,
+    so writers never share a file position) and `close()`, which fsyncs and returns the
+    pieces with their CRC-32s for `handoff.combine_pieces`. No bytes cross between
+    processes: this is how FSDP ranks write their shards of one safetensors file.
+    """
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_WRONLY)
+        self._writeback = Writeback(self._fd)
+        self.pieces: list[Piece] = []
+
+    @staticmethod
+    def create(path: Path, header: bytes, size: int) -> Piece:
+        """Create the file at its final size (sparse) with `header` at offset 0."""
+        with open(path, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+        return Piece(0, len(header), zlib.crc32(header))
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        data = _as_bytes(tensor.cpu())
+        done = 0
+        while done < len(data):  # pwrite may write less than asked
+            done += os.pwrite(self._fd, data[done:], offset + done)
+        self._writeback.wrote(offset, len(data))
+        self.pieces.append(Piece(offset, len(data), zlib.crc32(data)))
+
+    def close(self) -> list[Piece]:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+        return self.pieces
 
 
 def write_safetensors(directory: Path, name: str, tensors: dict[str, torch.Tensor]) -> FileRecord:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from areal_cli.weights import handoff
 from tests.gloo.conftest import (
     make_batches,
+    make_model,
     torchrun,
     torchrun_argv,
     torchrun_target,
@@ -99,9 +100,12 @@ def test_resume_is_exact_and_reshards(tmp_path: Path, model_dir: Path) -> None:
     ]
 
 
-def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path, model_dir: Path) -> None:
+def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    # An odd vocabulary: the embedding's 97 rows split 49/48, so the ranks' byte ranges in
+    # the shared safetensors file are uneven.
+    model_dir = make_model(tmp_path / "model", vocab=97)
     batches = make_batches(tmp_path / "batches", 1)
     cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs")
     out = tmp_path / "out"
@@ -109,6 +113,7 @@ def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path, model_dir
     probe = str(Path(__file__).with_name("export_probe.py"))
     torchrun_target(2, probe, str(cfg), str(batches), str(out))
     exported = handoff.read_entry(out / "v1", verify_crc=True)
+    assert [f["name"] for f in exported.manifest["files"]][0] == "model.safetensors"
     hf = AutoModelForCausalLM.from_pretrained(exported.path, dtype=torch.float32).eval()
     saved = torch.load(out / "trainer_logits.pt")
     with torch.no_grad():

@@ -252,7 +252,7 @@ def test_update_weights_matches_hf_on_new_weights(
 ) -> None:
     prompt = PROMPTS[2]
     assert greedy(fresh_engine, prompt, 16).output_ids == hf_greedy(hf_model, prompt, 16)
-    ok, message = fresh_engine.update_weights_from_disk(tiny_model_dir_alt, "v1")
+    ok, message, _ = fresh_engine.update_weights_from_disk(tiny_model_dir_alt, "v1")
     assert ok, message
     assert fresh_engine.weight_version == "v1"
     out = greedy(fresh_engine, prompt, 16)
@@ -311,7 +311,7 @@ def test_broken_folder_is_refused(
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir_alt, broken)
     damage(broken)
-    ok, message = fresh_engine.update_weights_from_disk(broken, "bad")
+    ok, message, _ = fresh_engine.update_weights_from_disk(broken, "bad")
     assert not ok
     assert str(broken) in message and "still serving 'v0'" in message
     assert re.search(match, message), message
@@ -323,7 +323,7 @@ def test_broken_folder_is_refused(
 
 
 def test_nonexistent_folder_is_refused(fresh_engine: InferenceEngine, tmp_path: Path) -> None:
-    ok, message = fresh_engine.update_weights_from_disk(tmp_path / "nope", "bad")
+    ok, message, _ = fresh_engine.update_weights_from_disk(tmp_path / "nope", "bad")
     assert not ok and "does not exist" in message
 
 
@@ -445,7 +445,7 @@ def test_mid_request_weight_swap_gives_two_spans(
     wait_for_tokens(eng, "swap", 3)
     eng.pause("in_place")
     split = eng.stats().progress["swap"]
-    ok, message = eng.update_weights_from_disk(tiny_model_dir_alt, "v1")
+    ok, message, _ = eng.update_weights_from_disk(tiny_model_dir_alt, "v1")
     assert ok, message
     eng.continue_generation()
     out = future.result(timeout=60)

@@ -218,9 +218,11 @@ def test_weight_update_route(
         "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")}
     )
     assert status == 400 and body["success"] is False and "does not exist" in body["message"]
+    assert body["weight_version"] == server.call("/model_info")[1]["weight_version"] != "v1"
     update = {"model_path": str(tiny_model_dir_alt), "weight_version": "v1", "flush_cache": True}
     status, body = server.call("/update_weights_from_disk", update)
     assert status == 200 and body["success"] is True, body
+    assert body["weight_version"] == "v1" and body["num_paused_requests"] == 0
     assert server.call("/model_info")[1]["weight_version"] == "v1"
     status, out = server.call("/generate", gen_body(ids, 10, ignore_eos=True))
     assert out["output_ids"] == hf_greedy("alt", ids, 10)

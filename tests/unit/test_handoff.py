@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,68 @@ def test_newest_after_skips_old_and_unfinished(tmp_path: Path) -> None:
     assert handoff.newest_after(tmp_path, "v", 1).version == 3
     assert handoff.newest_after(tmp_path, "v", 3) is None
     assert handoff.newest_after(tmp_path / "missing", "v", 0) is None
+
+
+def test_crc32_combine_matches_zlib() -> None:
+    import os
+
+    for len_a, len_b in [(0, 0), (1, 0), (0, 7), (13, 1), (1000, 4097), (3, 1 << 20)]:
+        a, b = os.urandom(len_a), os.urandom(len_b)
+        combined = handoff.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+        assert combined == zlib.crc32(a + b)
+
+
+def test_pieces_from_several_writers_make_one_checked_file(tmp_path: Path) -> None:
+    from areal_cli.weights.safetensors_io import PieceWriter, layout
+
+    tensors = {"a": torch.arange(12.0).reshape(4, 3), "b": torch.arange(5, dtype=torch.int64)}
+    header, starts, size = layout(tuple((k, v.dtype, tuple(v.shape)) for k, v in tensors.items()))
+    path = tmp_path / "model.safetensors"
+    pieces = [PieceWriter.create(path, header, size)]
+    # Two "ranks": each writes its rows of `a`; the second also writes `b`.
+    first, second = PieceWriter(path), PieceWriter(path)
+    second.write(starts["a"] + 3 * 12, tensors["a"][3:])
+    first.write(starts["a"], tensors["a"][:3])
+    second.write(starts["b"], tensors["b"])
+    record = handoff.combine_pieces(path.name, size, pieces + first.close() + second.close())
+    data = path.read_bytes()
+    assert record.size == len(data) == size
+    assert record.crc32 == zlib.crc32(data)
+    from safetensors.torch import load_file
+
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match="gap or overlap at byte"):
+        handoff.combine_pieces(path.name, size, pieces + second.pieces)
+    with pytest.raises(ValueError, match=f"cover {len(header) + 36} of {size} bytes"):
+        handoff.combine_pieces(path.name, size, pieces + first.pieces)
+
+
+def test_watcher_wakes_on_rename_and_times_out_without(tmp_path: Path) -> None:
+    import asyncio
+    import threading
+    import time
+
+    parent = tmp_path / "weights"
+    watcher = handoff.Watcher(parent)  # creates the folder
+    try:
+        start = time.monotonic()
+        watcher.wait(0.05)  # nothing happens: returns after the timeout
+        assert time.monotonic() - start >= 0.04
+        threading.Timer(0.1, lambda: _write(parent, 1)).start()
+        start = time.monotonic()
+        watcher.wait(60)  # woken by the rename, not by the 60 s timeout
+        assert time.monotonic() - start < 30
+        assert handoff.newest_after(parent, "v", 0) is not None
+
+        async def wait_async() -> float:
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.1, _write, parent, 2)
+            begin = time.monotonic()
+            await watcher.wait_async(60)
+            return time.monotonic() - begin
+
+        assert asyncio.run(wait_async()) < 30
+        assert handoff.newest_after(parent, "v", 1).version == 2
+    finally:
+        watcher.close()
