@@ -175,7 +175,7 @@ def serve(
     ),
     log: Path = typer.Option(
         None,
-        help="Server log file; default: ~/.cache/areal/logs/serve-PORT.log.",
+        help="Server log file; default: $AREAL_CACHE_DIR (or ~/.cache/areal)/logs/serve-PORT.log.",
         show_default=False,
     ),
     startup_timeout: float = typer.Option(600.0, help="Seconds allowed for the server to start."),
@@ -197,7 +197,9 @@ def serve(
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     if not _port_free(host, port):
         _die(f"port {port} on {host} is already in use")
-    log = (log or Path(f"~/.cache/areal/logs/serve-{port}.log")).expanduser()
+    from areal_cli.inference.builtin import cache_dir
+
+    log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
     _run_in_foreground(argv, url, log, api_key, startup_timeout)
 
 

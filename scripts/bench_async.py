@@ -8,7 +8,9 @@ Runs the tiny CPU recipe twice in one invocation, with rollout.max_staleness=0
     run, where nothing overlaps) and training (step + publish), and the physical cap
     (G+T)/max(G,T) on the ratio;
   - the weight handoff (trainer starts writing weights/vN -> every server serves vN)
-    against the raw disk time of the same bytes (dd write with fdatasync + read back).
+    against the raw disk time of the same bytes (dd write with fdatasync + read back),
+    for the async run (the server is busy generating when weights land; the target) and
+    for the sync run (the server is idle).
 The server and the trainer get one core each (cluster.n_cpus=2, allocation
 embedded:d1+fsdp:d1), the CPU counterpart of disjoint GPUs. The default batch shape
 (1 prompt x 4 samples, 64 new tokens) is chosen so that G and T are comparable (both
@@ -121,7 +123,9 @@ def main() -> None:
     train = statistics.median(r["trainer_step_s"] + r["handoff_save_s"] for r in steady)
     # In sync mode the trainer waits while the batch is generated (and the weights load).
     gen = statistics.median(r["trainer_wait_s"] for r in steady)
+    # The async run's handoff is the one that counts: it lands while the server generates.
     handoff = statistics.median(r["handoff_total_s"] for r in asyn[args.skip :])
+    handoff_idle = statistics.median(r["handoff_total_s"] for r in steady)
     print(
         f"batch: {args.batch_size} prompts x {args.group_size} samples, {args.max_new_tokens} new tokens; {args.steps} steps"
     )
@@ -132,7 +136,10 @@ def main() -> None:
         f"per step: G (generate) {gen:.2f}s  T (train + publish) {train:.2f}s  cap (G+T)/max(G,T) = {(gen + train) / max(gen, train):.2f}"
     )
     print(
-        f"handoff: {handoff * 1000:.1f} ms (publish start -> all servers on vN) vs raw disk {disk * 1000:.1f} ms for {n_bytes / 1e6:.1f} MB: {handoff / disk:.2f}x (target <= 2)"
+        f"handoff: {handoff * 1000:.1f} ms (publish start -> all servers on vN, async run) vs raw disk {disk * 1000:.1f} ms for {n_bytes / 1e6:.1f} MB: {handoff / disk:.2f}x (target <= 2)"
+    )
+    print(
+        f"         {handoff_idle * 1000:.1f} ms in the sync run, where the server is idle when weights land: {handoff_idle / disk:.2f}x"
     )
 
 

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -218,7 +217,7 @@ class WeightUpdate(NamedTuple):
 
     ok: bool
     message: str
-    stats: EngineStats | None  # the engine right after the swap; None when refused
+    stats: EngineStats  # the engine right after the update (or the refusal)
 
 
 @dataclass(eq=False)
@@ -495,26 +494,30 @@ def _safetensors_files(folder: Path) -> list[Path]:
         if missing:
             raise WeightLoadError(f"{folder} is incomplete: missing shard(s) {_names(missing)}")
         return [folder / s for s in shards]
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(folder / n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors weights in {folder}")
     return files
 
 
-def _read_safetensors(files: Iterable[Path]) -> dict[str, torch.Tensor]:
-    """Read every tensor of the given files to CPU; corrupt or truncated files raise."""
+def _read_safetensors(files: list[Path], buffers: list[bytearray]) -> dict[str, torch.Tensor]:
+    """Read every tensor of the given files to CPU; corrupt or truncated files raise.
+
+    The tensors are views of `buffers` (one per file, reused between calls and updated in
+    place), so the caller must be done with them before the next call."""
+    from areal_cli.weights.safetensors_io import read_tensors
+
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
+    for i, path in enumerate(files):
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name in tensors:
-                        raise WeightLoadError(f"tensor {name} appears in more than one file")
-                    tensors[name] = f.get_tensor(name)
-        except WeightLoadError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types
+            loaded, buffer = read_tensors(path, buffers[i] if i < len(buffers) else None)
+        except (OSError, ValueError) as exc:
             raise WeightLoadError(f"cannot read {path}: {exc}") from exc
+        buffers[i : i + 1] = [buffer]
+        for name, tensor in loaded.items():
+            if name in tensors:
+                raise WeightLoadError(f"tensor {name} appears in more than one file")
+            tensors[name] = tensor
     return tensors
 
 
@@ -635,7 +638,7 @@ class InferenceEngine:
         self._waiting: deque[_Sequence] = deque()
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._inflight: dict[str, _Sequence] = {}
-        self._update_lock = threading.Lock()
+        self._staging: list[bytearray] = []  # reused read buffers (scheduler thread only)
         self._thread = threading.Thread(target=self._loop, name="areal-engine", daemon=True)
         self._thread.start()
         # A scheduler thread still inside torch at interpreter exit aborts the process.
@@ -777,6 +780,25 @@ class InferenceEngine:
         """A consistent snapshot taken on the scheduler thread."""
         return self._call(self._snapshot, timeout)
 
+    def submit_weight_update(
+        self,
+        model_path: str | Path,
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+    ) -> concurrent.futures.Future[WeightUpdate]:
+        """Queue a weight update; the future gives its outcome.
+
+        The scheduler thread reads and validates `model_path` at the next decode-step
+        boundary and swaps it in atomically (decoding waits meanwhile, as in SGLang). On
+        any problem the outcome has ok=False with the reason, and the old weights keep
+        serving. In-flight requests keep their KV cache and continue on the new weights;
+        their `weight_versions` spans show where the switch happened. Doing it all on the
+        scheduler thread takes one thread handoff instead of three, which is most of the
+        cost of reloading a small model."""
+        path, abort = Path(model_path), abort_all_requests
+        return self._post(lambda: self._load_and_swap(path, weight_version, abort))
+
     def update_weights_from_disk(
         self,
         model_path: str | Path,
@@ -784,25 +806,11 @@ class InferenceEngine:
         *,
         abort_all_requests: bool = False,
     ) -> WeightUpdate:
-        """Load `model_path` on the calling thread, validate it, then swap it in atomically
-        at a decode-step boundary. On any problem return ok=False with the reason and keep
-        the old weights. In-flight requests keep their KV cache and continue on the new
-        weights; their `weight_versions` spans show where the switch happened."""
-        with self._update_lock:
-            old = self._weight_version
-            try:
-                loaded = _read_safetensors(_safetensors_files(Path(model_path)))
-                tensors = self._weights.match(loaded)
-            except WeightLoadError as exc:
-                message = f"refused weights from {model_path}: {exc}; still serving {old!r}"
-                logger.warning(message)
-                return WeightUpdate(False, message, None)
-            version = old if weight_version is None else str(weight_version)
-            stats = self._call(
-                lambda: self._swap(tensors, version, str(model_path), abort_all_requests)
-            )
-        message = f"loaded weights from {model_path}; weight version {old!r} -> {version!r}"
-        return WeightUpdate(True, message, stats)
+        """`submit_weight_update`, waiting for the outcome."""
+        future = self.submit_weight_update(
+            model_path, weight_version, abort_all_requests=abort_all_requests
+        )
+        return future.result(300.0)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the scheduler; unfinished requests end with an abort finish reason."""
@@ -1052,18 +1060,28 @@ class InferenceEngine:
             self._abort_where(lambda s: True, "aborted by update_weight_version")
         self._weight_version = version
 
-    def _swap(
-        self, tensors: dict[str, torch.Tensor], version: str, path: str, abort_all: bool
-    ) -> EngineStats:
-        """Scheduler thread: swap the weights in; returns the engine's state right after
-        (so a caller needs no second round trip to the scheduler to report it)."""
+    def _load_and_swap(
+        self, path: Path, weight_version: str | None, abort_all: bool
+    ) -> WeightUpdate:
+        """Scheduler thread: read, validate, swap in; the staging buffers are only used here."""
+        old = self._weight_version
+        try:
+            tensors = self._weights.match(
+                _read_safetensors(_safetensors_files(path), self._staging)
+            )
+        except WeightLoadError as exc:
+            message = f"refused weights from {path}: {exc}; still serving {old!r}"
+            logger.warning(message)
+            return WeightUpdate(False, message, self._snapshot())
+        version = old if weight_version is None else str(weight_version)
         if abort_all:
             self._abort_where(lambda s: True, "aborted by update_weights_from_disk")
         self._weights.copy_in(tensors)
         self._weight_version = version
-        self.model_path = path
+        self.model_path = str(path)
         logger.info("weights swapped to %s (version %s)", path, version)
-        return self._snapshot()
+        message = f"loaded weights from {path}; weight version {old!r} -> {version!r}"
+        return WeightUpdate(True, message, self._snapshot())
 
     def _snapshot(self) -> EngineStats:
         with self._cv:

@@ -152,26 +152,21 @@ class InferenceServer:
         if not body.get("model_path"):
             raise BadRequest("model_path is required")
         # flush_cache is accepted and ignored: this engine keeps no prefix cache.
-
-        def update() -> dict[str, Any]:
-            ok, message, stats = self.engine.update_weights_from_disk(
-                body["model_path"],
-                body.get("weight_version"),
-                abort_all_requests=bool(body.get("abort_all_requests", False)),
-            )
-            if stats is None:  # refused: the engine did not change
-                stats = self.engine.stats()
-            paused = stats.num_running + stats.num_waiting if stats.paused else 0
-            # SGLang's three fields, plus the version now served (saves a /model_info call).
-            return {
-                "success": ok,
-                "message": message,
-                "num_paused_requests": paused,
-                "weight_version": stats.weight_version,
-            }
-
-        content = await asyncio.to_thread(update)
-        return web.json_response(content, status=200 if content["success"] else 400)
+        update = self.engine.submit_weight_update(
+            body["model_path"],
+            body.get("weight_version"),
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+        )
+        ok, message, stats = await asyncio.wrap_future(update)
+        paused = stats.num_running + stats.num_waiting if stats.paused else 0
+        # SGLang's three fields, plus the version now served (saves a /model_info call).
+        content = {
+            "success": ok,
+            "message": message,
+            "num_paused_requests": paused,
+            "weight_version": stats.weight_version,
+        }
+        return web.json_response(content, status=200 if ok else 400)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await _body(request)).get("mode", "abort")

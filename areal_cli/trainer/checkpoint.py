@@ -123,51 +123,64 @@ _ROWS, _WHOLE, _FULL, _NONE = "rows", "whole", "full", "none"
 
 @dataclass(frozen=True)
 class _ExportPlan:
-    """What this rank writes where in `model.safetensors`. Shapes and shardings do not
-    change between steps, so the plan is built once per model and reused."""
+    """What this rank writes where in `model.safetensors`, and from which tensors.
 
-    signature: tuple  # the state_dict's names and shapes the plan was built for
+    Shapes, shardings and the storage behind each parameter do not change between steps
+    (the optimizer updates in place), so the plan is built once per model and reused while
+    `fingerprint` (every parameter's and buffer's name and storage address) is unchanged;
+    that skips `state_dict()`, which costs more than writing a small model."""
+
+    fingerprint: tuple
     header: bytes
     size: int
-    writes: tuple[tuple[str, str, int], ...]  # (name, how, file offset)
+    writes: tuple[tuple[torch.Tensor | memoryview, str, int], ...]  # (source, how, offset)
 
 
-def _signature(items: list[tuple[str, torch.Tensor]]) -> tuple:
-    return tuple((k, v.dtype, tuple(v.shape)) for k, v in items)
+def _fingerprint(model: nn.Module) -> tuple:
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    # A DTensor keeps its shard in `_local_tensor`; reading that attribute skips the
+    # autograd call of `to_local()`, which would cost more than the rest of the check.
+    return tuple((name, getattr(t, "_local_tensor", t).data_ptr()) for name, t in named)
 
 
-def _build_plan(items: list[tuple[str, torch.Tensor]]) -> _ExportPlan:
+def _build_plan(model: nn.Module, fingerprint: tuple) -> _ExportPlan:
     """FSDP2 shards every parameter along dim 0 in `torch.chunk` pieces, and the rows of a
     row-major tensor are contiguous bytes, so each rank can write its own rows straight
     into the exported file. Anything else is written whole by rank 0."""
-    from areal_cli.weights.safetensors_io import layout
+    from areal_cli.weights.safetensors_io import layout, tensor_bytes
 
-    signature = _signature(items)
-    header, starts, size = layout(signature)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+    header, starts, size = layout(tuple((k, v.dtype, tuple(v.shape)) for k, v in items))
     writes = []
     for name, value in items:
         how, offset = (_WHOLE if dist.get_rank() == 0 else _NONE), starts[name]
         if hasattr(value, "to_local"):
             how = _FULL
-            mesh, placements = value.device_mesh, value.placements
-            local_rows = value.to_local().shape[0] if value.ndim else -1
+            mesh, placements, local = value.device_mesh, value.placements, value.to_local()
             if mesh.ndim == 1 and tuple(placements) == (Shard(0),):
                 rows, chunk = value.shape[0], -(-value.shape[0] // mesh.size())
                 start = min(mesh.get_local_rank() * chunk, rows)
-                if local_rows == min(start + chunk, rows) - start:
-                    how = _ROWS if local_rows else _NONE
+                if local.shape[0] == min(start + chunk, rows) - start:
+                    how, value = (_ROWS if local.shape[0] else _NONE), local
                     offset += start * math.prod(value.shape[1:]) * value.element_size()
-        writes.append((name, how, offset))
-    return _ExportPlan(signature, header, size, tuple(writes))
+        if how in (_ROWS, _WHOLE) and value.device.type == "cpu" and value.is_contiguous():
+            value = tensor_bytes(value)  # a view of the parameter's memory: reused every step
+        writes.append((value, how, offset))
+    return _ExportPlan(fingerprint, header, size, tuple(writes))
 
 
 _plans: weakref.WeakKeyDictionary[nn.Module, _ExportPlan] = weakref.WeakKeyDictionary()
 
 
-def _export_plan(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> _ExportPlan:
+def _export_plan(model: nn.Module) -> _ExportPlan:
+    fingerprint = _fingerprint(model)
     plan = _plans.get(model)
-    if plan is None or plan.signature != _signature(items):
-        plan = _plans[model] = _build_plan(items)
+    if plan is None or plan.fingerprint != fingerprint:
+        plan = _plans[model] = _build_plan(model, fingerprint)
     return plan
 
 
@@ -216,9 +229,7 @@ def export_hf(
 
     meta = {**(meta or {}), "publish_started": time.time()}
     rank = dist.get_rank()
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
-    plan = _export_plan(model, items)
+    plan = _export_plan(model)
     file_name = "model.safetensors"
     tmp, header_piece = None, None
     if rank == 0:
@@ -231,15 +242,13 @@ def export_hf(
     try:
         with torch.no_grad():
             # collective: every rank walks the same order (full_tensor() gathers)
-            for (_, value), (_, how, offset) in zip(items, plan.writes, strict=True):
-                if how == _ROWS:
-                    writer.write(offset, value.to_local())
-                elif how == _FULL:
-                    full = value.full_tensor()
+            for tensor, how, offset in plan.writes:
+                if how == _FULL:
+                    full = tensor.full_tensor()
                     if rank == 0:
                         writer.write(offset, full)
-                elif how == _WHOLE:
-                    writer.write(offset, value)
+                elif how != _NONE:
+                    writer.write(offset, tensor)
     finally:
         pieces = writer.close()
     gathered: list[Any] = [pieces]

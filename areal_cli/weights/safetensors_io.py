@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import queue
 import threading
@@ -34,6 +35,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 @functools.lru_cache(maxsize=8)  # a trainer publishes the same layout every step
@@ -60,7 +62,7 @@ def layout(
     return raw, {name: len(raw) + start for name, start in starts.items()}, len(raw) + offset
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bfloat16:  # numpy has no bfloat16; reinterpret the bits
         flat = flat.view(torch.int16)
@@ -104,7 +106,7 @@ class StreamingWriter:
         while (tensor := self._queue.get()) is not None:
             if self._error is None:
                 try:
-                    self._write(_as_bytes(tensor))
+                    self._write(tensor_bytes(tensor))
                 except BaseException as exc:  # reported by close()
                     self._error = exc
 
@@ -146,8 +148,9 @@ class PieceWriter:
             f.truncate(size)
         return Piece(0, len(header), zlib.crc32(header))
 
-    def write(self, offset: int, tensor: torch.Tensor) -> None:
-        data = _as_bytes(tensor.cpu())
+    def write(self, offset: int, tensor: torch.Tensor | memoryview) -> None:
+        """Write a tensor's bytes (or bytes already taken with `tensor_bytes`) at `offset`."""
+        data = tensor if isinstance(tensor, memoryview) else tensor_bytes(tensor.cpu())
         done = 0
         while done < len(data):  # pwrite may write less than asked
             done += os.pwrite(self._fd, data[done:], offset + done)
@@ -160,6 +163,67 @@ class PieceWriter:
         finally:
             os.close(self._fd)
         return self.pieces
+
+
+def read_tensors(
+    path: Path, buffer: bytearray | None = None
+) -> tuple[dict[str, torch.Tensor], bytearray]:
+    """Read a safetensors file into `buffer` and return its tensors as views of it.
+
+    One copy from the page cache into memory that is reused from one call to the next
+    (pass back the returned buffer; it is replaced when the size differs), and no
+    allocation per tensor: a server reloading weights every step skips most of the page
+    faults and copies of a fresh read. The tensors alias the buffer, so read the next file
+    into it only once they are no longer used. A truncated or malformed file raises
+    ValueError saying what is wrong."""
+    size = path.stat().st_size
+    if buffer is None or len(buffer) != size:
+        buffer = bytearray(size)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < size and (n := f.readinto(view[done:])):
+            done += n
+    if done != size or size < 8:
+        raise ValueError(f"{path.name} is truncated ({done} of {size} bytes read)")
+    header_len = int.from_bytes(buffer[:8], "little")
+    if header_len > size - 8:
+        raise ValueError(f"{path.name}: header of {header_len} bytes does not fit in the file")
+    try:
+        header = json.loads(bytes(view[8 : 8 + header_len]))
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: header is not a JSON object")
+    start, data_size = 8 + header_len, size - 8 - header_len
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = _BY_NAME[info["dtype"]], [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path.name}: bad header entry for tensor {name}") from None
+        n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data_size or end - begin != n_bytes:
+            raise ValueError(
+                f"{path.name}: tensor {name} lies outside the file or has the wrong size"
+            )
+        offset = start + begin
+        if offset % torch.empty((), dtype=dtype).element_size():  # unaligned: copy it out
+            raw: bytearray | memoryview = bytearray(view[offset : offset + n_bytes])
+            offset = 0
+        else:
+            raw = buffer
+        count = n_bytes // torch.empty((), dtype=dtype).element_size()
+        flat = (
+            torch.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+            if count
+            else torch.empty(0, dtype=dtype)
+        )
+        tensors[name] = flat.view(shape)
+    return tensors, buffer
 
 
 def write_safetensors(directory: Path, name: str, tensors: dict[str, torch.Tensor]) -> FileRecord:
