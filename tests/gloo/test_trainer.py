@@ -129,6 +129,20 @@ def test_export_loads_in_hf_and_matches_trainer_logits(tmp_path: Path) -> None:
     )
 
 
+def test_export_writes_every_parameter_layout_exactly(tmp_path: Path) -> None:
+    """Uneven Shard(0) rows are written in place by each rank; Replicate, Shard(1) and
+    plain tensors go through rank 0. The file must hold exactly the full weights."""
+    model_dir = make_model(tmp_path / "model", vocab=97)
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = str(Path(__file__).with_name("placements_probe.py"))
+    torchrun_target(2, probe, str(model_dir), str(out))
+    expected = torch.load(out / "expected.pt")
+    for version in (0, 1):
+        exported = handoff.read_entry(out / f"v{version}", verify_crc=True)
+        assert _max_diff(_load_all(exported.path), expected) == 0.0
+
+
 def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Path) -> None:
     """Without --batches the trainer polls RUN/rollouts/step-N and ignores unfinished writes."""
     cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs", total_train_steps=1)
