@@ -174,6 +174,7 @@ def _build_plan(model: nn.Module, fingerprint: tuple) -> _ExportPlan:
 
 
 _plans: weakref.WeakKeyDictionary[nn.Module, _ExportPlan] = weakref.WeakKeyDictionary()
+_swept: set[Path] = set()  # parents whose crash leftovers this process already removed
 
 
 def _export_plan(model: nn.Module) -> _ExportPlan:
@@ -234,11 +235,14 @@ def export_hf(
     tmp, header_piece = None, None
     if rank == 0:
         wait_for_cleanup()
-        handoff.remove_stale(parent)
+        if parent not in _swept:  # leftovers only come from an earlier, crashed process
+            handoff.remove_stale(parent)
+            _swept.add(parent)
         tmp = handoff.new_tmp_dir(parent, name)
         header_piece = PieceWriter.create(tmp / file_name, plan.header, plan.size)
     tmp = Path(_broadcast_object(str(tmp) if tmp else None))  # also: the file now exists
     writer = PieceWriter(tmp / file_name)
+    links = []
     try:
         with torch.no_grad():
             # collective: every rank walks the same order (full_tensor() gathers)
@@ -249,6 +253,8 @@ def export_hf(
                         writer.write(offset, full)
                 elif how != _NONE:
                     writer.write(offset, tensor)
+        if rank == 0:  # meanwhile the kernel is writing the shards out
+            links = [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
     finally:
         pieces = writer.close()
     gathered: list[Any] = [pieces]
@@ -258,8 +264,7 @@ def export_hf(
     path = None
     if rank == 0:
         all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
-        records = [handoff.combine_pieces(file_name, plan.size, all_pieces)]
-        records += [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
+        records = [handoff.combine_pieces(file_name, plan.size, all_pieces), *links]
         path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
         if keep_last:
             _collect_in_background(parent, prefix, keep_last)
