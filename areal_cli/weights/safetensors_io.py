@@ -48,7 +48,7 @@ def layout(
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset, starts = 0, {}
     for name, dtype, shape in specs:
-        n_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n_bytes = math.prod(shape) * dtype.itemsize
         header[name] = {
             "dtype": _DTYPES[dtype],
             "shape": list(shape),
@@ -205,18 +205,19 @@ def read_tensors(
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path.name}: bad header entry for tensor {name}") from None
-        n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
+        n_bytes = math.prod(shape) * item
         if not 0 <= begin <= end <= data_size or end - begin != n_bytes:
             raise ValueError(
                 f"{path.name}: tensor {name} lies outside the file or has the wrong size"
             )
         offset = start + begin
-        if offset % torch.empty((), dtype=dtype).element_size():  # unaligned: copy it out
+        if offset % item:  # unaligned: copy it out
             raw: bytearray | memoryview = bytearray(view[offset : offset + n_bytes])
             offset = 0
         else:
             raw = buffer
-        count = n_bytes // torch.empty((), dtype=dtype).element_size()
+        count = n_bytes // item
         flat = (
             torch.frombuffer(raw, dtype=dtype, count=count, offset=offset)
             if count
