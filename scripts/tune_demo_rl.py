@@ -54,15 +54,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_cpu.
 def generate_batch(engine, prompts, cfg, version: int, rng: random.Random, reward_fn):
     """Sample group_size completions of every prompt concurrently; returns the batch and
     the mean completion length."""
-    g = cfg.gconfig
-    params = {
-        "temperature": g.temperature,
-        "top_p": g.top_p,
-        "top_k": g.top_k,
-        "max_new_tokens": g.max_new_tokens,
-        "stop_token_ids": list(g.stop_token_ids),
-        "ignore_eos": g.ignore_eos,
-    }
+    params = cfg.gconfig.sampling_params()
     futures = []
     for prompt in prompts:
         for _ in range(cfg.rollout.group_size):

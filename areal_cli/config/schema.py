@@ -278,6 +278,19 @@ class GenerationHyperparameters:
     )
     ignore_eos: bool = field(False, "Keep generating past EOS until max_new_tokens.")
 
+    def sampling_params(self) -> dict:
+        """These settings as an SGLang `sampling_params` body (no per-request seed)."""
+        params = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
 
 @dataclass
 class DatasetConfig:

@@ -102,16 +102,7 @@ class EpisodeClient:
         self._seed = seed
 
     def sampling_params(self, **overrides: Any) -> dict[str, Any]:
-        g = self.gconfig
-        params = {
-            "temperature": g.temperature,
-            "top_p": g.top_p,
-            "top_k": g.top_k,
-            "max_new_tokens": g.max_new_tokens,
-            "ignore_eos": g.ignore_eos,
-        }
-        if g.stop_token_ids:
-            params["stop_token_ids"] = list(g.stop_token_ids)
+        params = self.gconfig.sampling_params()
         params["sampling_seed"] = self._seed
         self._seed += 1
         params.update(overrides)
