@@ -67,6 +67,17 @@ class Piece:
     crc32: int
 
 
+def _crc32_function() -> Callable[..., int]:
+    """zlib's CRC-32, from ISA-L when installed: the same checksum ~10x faster (0.07 vs
+    0.63 ms per 4 MB here), which matters because every published byte is checksummed."""
+    try:
+        from isal import isal_zlib
+    except ImportError:  # a platform without an isal wheel: plain zlib, same values
+        return zlib.crc32
+    return isal_zlib.crc32
+
+
+crc32 = _crc32_function()
 _POLY = 0xEDB88320  # CRC-32 (zlib), bit-reflected
 
 
@@ -256,7 +267,7 @@ def write_bytes(directory: Path, name: str, data: bytes | memoryview) -> FileRec
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return FileRecord(name, len(data), zlib.crc32(data))
+    return FileRecord(name, len(data), crc32(data))
 
 
 _source_records: dict[tuple[str, int, int, int], FileRecord] = {}
@@ -275,7 +286,7 @@ def link_or_copy(src: Path, directory: Path) -> FileRecord:
     key = (str(src), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key not in _source_records:
         data = dst.read_bytes()
-        _source_records[key] = FileRecord(src.name, len(data), zlib.crc32(data))
+        _source_records[key] = FileRecord(src.name, len(data), crc32(data))
     return _source_records[key]
 
 
@@ -286,7 +297,7 @@ def record_file(directory: Path, name: str) -> FileRecord:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return FileRecord(name, path.stat().st_size, crc)
 
 
@@ -399,7 +410,7 @@ def _crc_or_none(path: Path, name: str) -> int | None:
     try:
         with open(path / name, "rb") as f:
             while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
     except OSError:
         return None
     return crc

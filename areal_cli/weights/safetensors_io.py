@@ -16,12 +16,11 @@ import math
 import os
 import queue
 import threading
-import zlib
 from pathlib import Path
 
 import torch
 
-from areal_cli.weights.handoff import FileRecord, Piece, Writeback
+from areal_cli.weights.handoff import FileRecord, Piece, Writeback, crc32
 
 _DTYPES = {
     torch.float32: "F32",
@@ -98,7 +97,7 @@ class StreamingWriter:
         view = memoryview(data)
         while view:  # unbuffered: a write may take less than asked
             view = view[self._file.write(view) :]
-        self._crc = zlib.crc32(data, self._crc)
+        self._crc = crc32(data, self._crc)
         self._writeback.wrote(self._size, len(data))
         self._size += len(data)
 
@@ -146,7 +145,7 @@ class PieceWriter:
         with open(path, "wb") as f:
             f.write(header)
             f.truncate(size)
-        return Piece(0, len(header), zlib.crc32(header))
+        return Piece(0, len(header), crc32(header))
 
     def write(self, offset: int, tensor: torch.Tensor | memoryview) -> None:
         """Write a tensor's bytes (or bytes already taken with `tensor_bytes`) at `offset`."""
@@ -155,7 +154,11 @@ class PieceWriter:
         while done < len(data):  # pwrite may write less than asked
             done += os.pwrite(self._fd, data[done:], offset + done)
         self._writeback.wrote(offset, len(data))
-        self.pieces.append(Piece(offset, len(data), zlib.crc32(data)))
+        last = self.pieces[-1] if self.pieces else None
+        if last is not None and last.offset + last.size == offset:  # extends the last piece
+            self.pieces[-1] = Piece(last.offset, last.size + len(data), crc32(data, last.crc32))
+        else:  # (one rank's pieces stay few, so combining them costs next to nothing)
+            self.pieces.append(Piece(offset, len(data), crc32(data)))
 
     def close(self) -> list[Piece]:
         try:
