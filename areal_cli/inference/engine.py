@@ -482,10 +482,12 @@ class _RunningBatch:
 
 def _safetensors_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder, honouring a shard index."""
-    if not folder.is_dir():
-        raise WeightLoadError(f"model path {folder} does not exist or is not a directory")
+    try:
+        names = os.listdir(folder)  # one call: this runs on the critical path of every update
+    except OSError:
+        raise WeightLoadError(f"model path {folder} does not exist or is not a directory") from None
     index = folder / "model.safetensors.index.json"
-    if index.exists():
+    if index.name in names:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, AttributeError) as exc:
@@ -494,7 +496,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
         if missing:
             raise WeightLoadError(f"{folder} is incomplete: missing shard(s) {_names(missing)}")
         return [folder / s for s in shards]
-    files = sorted(folder / n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    files = sorted(folder / n for n in names if n.endswith(".safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors weights in {folder}")
     return files
@@ -519,6 +521,27 @@ def _read_safetensors(files: list[Path], buffers: list[bytearray]) -> dict[str, 
                 raise WeightLoadError(f"tensor {name} appears in more than one file")
             tensors[name] = tensor
     return tensors
+
+
+def _identity(files: list[Path]) -> tuple:
+    """What tells one version of a weights folder from another: its files' inodes, sizes
+    and modification times (handoff entries are never modified once renamed in)."""
+    identity = []
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError as exc:
+            raise WeightLoadError(f"cannot read {path}: {exc}") from exc
+        identity.append((str(path.name), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(identity)
+
+
+class _ReadAhead(NamedTuple):
+    """Weights read and validated before anyone asked for them (in the staging buffers)."""
+
+    folder: Path
+    identity: tuple
+    tensors: dict[str, torch.Tensor]
 
 
 def _names(names: Iterable[str], limit: int = 5) -> str:
@@ -564,9 +587,19 @@ class _WeightTable:
         }
 
     @torch.no_grad()
-    def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
+    def swap_in(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Make `tensors` the live weights. On the CPU the live tensors just take over their
+        memory (no copy); accelerator weights are copied into, so their memory stays put.
+        Returns whether the live weights now alias `tensors`' memory."""
+        aliased = False
         for name, tensor in tensors.items():
-            self.live[name].copy_(tensor)
+            live = self.live[name]
+            if live.device.type == "cpu":
+                live.data = tensor  # same Parameter object: tied modules follow
+                aliased = True
+            else:
+                live.copy_(tensor)
+        return aliased
 
 
 # --------------------------------------------------------------------------- engine
@@ -638,7 +671,13 @@ class InferenceEngine:
         self._waiting: deque[_Sequence] = deque()
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._inflight: dict[str, _Sequence] = {}
-        self._staging: list[bytearray] = []  # reused read buffers (scheduler thread only)
+        # Weight updates read into `_staging`; on the CPU the model then runs on that memory
+        # and the buffers it ran on before become the next staging (scheduler thread only).
+        self._staging: list[bytearray] = []
+        self._serving: list[bytearray] = []
+        self._read_ahead: _ReadAhead | None = None
+        self._served_identity: tuple = ()  # of the files last swapped in
+        self._staging_lock = threading.Lock()  # staging, serving and read_ahead
         self._thread = threading.Thread(target=self._loop, name="areal-engine", daemon=True)
         self._thread.start()
         # A scheduler thread still inside torch at interpreter exit aborts the process.
@@ -798,6 +837,53 @@ class InferenceEngine:
         cost of reloading a small model."""
         path, abort = Path(model_path), abort_all_requests
         return self._post(lambda: self._load_and_swap(path, weight_version, abort))
+
+    def read_ahead(self, model_path: str | Path) -> bool:
+        """Read and validate `model_path` now, on the calling thread, while decoding goes
+        on; a later update from the same, unchanged files then only swaps them in. On the
+        CPU only (an accelerator would need a second copy of the weights in its memory).
+        Returns whether the weights are ready; a folder that cannot be loaded is left for
+        the update request to refuse with the reason."""
+        if self.device.type != "cpu":
+            return False
+        folder = Path(model_path)
+        with self._staging_lock:
+            try:
+                files = _safetensors_files(folder)
+                identity = _identity(files)
+                if identity == self._served_identity:  # its update came first
+                    return True
+                self._read_ahead = None
+                tensors = self._weights.match(_read_safetensors(files, self._staging))
+            except WeightLoadError as exc:
+                logger.debug("not read ahead: %s: %s", folder, exc)
+                return False
+            self._read_ahead = _ReadAhead(folder, identity, tensors)
+        return True
+
+    @property
+    def read_ahead_folder(self) -> Path | None:
+        """The folder whose weights are read ahead and waiting for their update, if any."""
+        ahead = self._read_ahead
+        return ahead.folder if ahead is not None else None
+
+    def watch_for_weights(
+        self, directory: str | Path, prefix: str = "v", poll_s: float = 0.5
+    ) -> None:
+        """Read ahead every handoff entry renamed into `directory` (e.g. RUN/weights) from
+        now on, on a background thread: the controller's `/update_weights_from_disk` for it
+        then costs a swap, not a read. inotify wakes the thread at once; `poll_s` is the
+        fallback where renames are not reported (another node's NFS writes)."""
+        if self.device.type != "cpu":
+            logger.info("weights read-ahead is off on %s", self.device)
+            return
+        thread = threading.Thread(
+            target=self._read_ahead_loop,
+            args=(Path(directory), prefix, poll_s),
+            name="areal-read-ahead",
+            daemon=True,
+        )
+        thread.start()
 
     def update_weights_from_disk(
         self,
@@ -1060,28 +1146,61 @@ class InferenceEngine:
             self._abort_where(lambda s: True, "aborted by update_weight_version")
         self._weight_version = version
 
+    def _read_weights(self, path: Path) -> tuple[dict[str, torch.Tensor], tuple, bool]:
+        """Validated tensors of `path` in the staging buffers, the files' identity, and
+        whether they had been read ahead. Hold `_staging_lock`."""
+        files = _safetensors_files(path)
+        identity = _identity(files)
+        ahead, self._read_ahead = self._read_ahead, None  # staging gets reused either way
+        if ahead is not None and ahead.identity == identity:
+            return ahead.tensors, identity, True
+        return self._weights.match(_read_safetensors(files, self._staging)), identity, False
+
     def _load_and_swap(
         self, path: Path, weight_version: str | None, abort_all: bool
     ) -> WeightUpdate:
-        """Scheduler thread: read, validate, swap in; the staging buffers are only used here."""
+        """Scheduler thread: read (or take what was read ahead), validate, swap in."""
         old = self._weight_version
-        try:
-            tensors = self._weights.match(
-                _read_safetensors(_safetensors_files(path), self._staging)
-            )
-        except WeightLoadError as exc:
-            message = f"refused weights from {path}: {exc}; still serving {old!r}"
-            logger.warning(message)
-            return WeightUpdate(False, message, self._snapshot())
+        with self._staging_lock:
+            try:
+                tensors, identity, ahead = self._read_weights(path)
+            except WeightLoadError as exc:
+                message = f"refused weights from {path}: {exc}; still serving {old!r}"
+                logger.warning(message)
+                return WeightUpdate(False, message, self._snapshot())
+            if abort_all:
+                self._abort_where(lambda s: True, "aborted by update_weights_from_disk")
+            if self._weights.swap_in(tensors):
+                self._staging, self._serving = self._serving, self._staging
+            self._served_identity = identity
         version = old if weight_version is None else str(weight_version)
-        if abort_all:
-            self._abort_where(lambda s: True, "aborted by update_weights_from_disk")
-        self._weights.copy_in(tensors)
         self._weight_version = version
         self.model_path = str(path)
-        logger.info("weights swapped to %s (version %s)", path, version)
-        message = f"loaded weights from {path}; weight version {old!r} -> {version!r}"
+        how = "read ahead" if ahead else "read now"
+        logger.info("weights swapped to %s (version %s, %s)", path, version, how)
+        message = f"loaded weights from {path} ({how}); weight version {old!r} -> {version!r}"
         return WeightUpdate(True, message, self._snapshot())
+
+    # ------------------------------------------------------------------ read-ahead thread
+
+    def _read_ahead_loop(self, directory: Path, prefix: str, poll_s: float) -> None:
+        from areal_cli.weights import handoff
+
+        watcher = handoff.Watcher(directory)  # before the first look: no rename is missed
+        try:
+            newest = handoff.latest(directory, prefix)  # already there: not worth reading
+            seen = newest.version if newest is not None else -1
+            while not self._stopping:
+                entry = handoff.newest_after(directory, prefix, seen)
+                if entry is None:
+                    watcher.wait(poll_s)
+                    continue
+                seen = entry.version
+                self.read_ahead(entry.path)
+        except Exception:  # never take the server down: updates just read on request
+            logger.exception("weights read-ahead of %s stopped", directory)
+        finally:
+            watcher.close()
 
     def _snapshot(self) -> EngineStats:
         with self._cv:

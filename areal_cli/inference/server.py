@@ -3,7 +3,7 @@
 Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1] [--port 30000]
        [--dtype float32|bfloat16] [--weight-version V] [--max-running-requests M]
        [--api-key K] [--served-model-name NAME] [--random-seed S] [--device auto|cpu|cuda]
-       [--schedule-policy lof|fcfs]
+       [--schedule-policy lof|fcfs] [--watch-weights DIR]
 
 Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /pause_generation, /continue_generation, /abort_request, /update_weight_version,
@@ -440,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps the batch full; requests queued over 10 s go first either way).",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--watch-weights",
+        metavar="DIR",
+        default=None,
+        help="Read ahead every weights entry renamed into DIR (a run's weights/ folder) "
+        "while generating, so /update_weights_from_disk for it only swaps (CPU only; not "
+        "an SGLang flag).",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -456,6 +464,8 @@ async def serve(args: argparse.Namespace) -> None:
         random_seed=args.random_seed,
         schedule_policy=args.schedule_policy,
     )
+    if args.watch_weights:
+        engine.watch_for_weights(args.watch_weights)
     name = args.served_model_name or args.model_path
     server = InferenceServer(engine, name, args.api_key)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)

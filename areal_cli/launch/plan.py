@@ -188,6 +188,8 @@ def _server_process(
             "-m",
             "areal_cli.inference.server",
             *embedded_args(cfg, model, port, index, device_type),
+            # read each new weights/vN ahead, while the controller gets to its update call
+            *("--watch-weights", str(run_dir / "weights")),
         ]
     env = dict(base_env)
     gpus: list[int] = []

@@ -264,6 +264,81 @@ def test_update_weights_matches_hf_on_new_weights(
     assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=TOL)
 
 
+def test_alternating_updates_and_a_refused_one_serve_the_right_weights(
+    fresh_engine: InferenceEngine,
+    tiny_model_dir: Path,
+    tiny_model_dir_alt: Path,
+    hf_model,
+    hf_model_alt,
+    tmp_path: Path,
+) -> None:
+    """On the CPU the engine serves from the buffer it read into and reads the next update
+    into the one it served from before: every switch must serve exactly the new weights,
+    and a refused file of the same size (read into the spare buffer) must change nothing."""
+    prompt = PROMPTS[2]
+    expected = {
+        d: hf_greedy(m, prompt, 12)
+        for d, m in ((tiny_model_dir, hf_model), (tiny_model_dir_alt, hf_model_alt))
+    }
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir_alt, broken)
+    with open(broken / "model.safetensors", "r+b") as f:  # same size, header no longer JSON
+        f.seek(8)
+        f.write(b"\x00" * 8)
+    served = tiny_model_dir
+    for i, folder in enumerate(
+        [tiny_model_dir_alt, tiny_model_dir, broken, tiny_model_dir_alt, tiny_model_dir]
+    ):
+        ok, message, _ = fresh_engine.update_weights_from_disk(folder, f"v{i + 1}")
+        assert ok == (folder != broken), message
+        served = served if folder == broken else folder
+        assert greedy(fresh_engine, prompt, 12).output_ids == expected[served], (i, folder)
+
+
+def test_entries_renamed_into_a_watched_folder_are_read_ahead(
+    fresh_engine: InferenceEngine,
+    tiny_model_dir: Path,
+    tiny_model_dir_alt: Path,
+    hf_model,
+    hf_model_alt,
+    tmp_path: Path,
+) -> None:
+    """The server reads each new weights/vN while the controller is still on its way; the
+    update then only swaps. An entry replaced after it was read ahead is read again."""
+    from areal_cli.weights import handoff
+
+    weights = tmp_path / "weights"
+
+    def publish(name: str, source: Path) -> Path:
+        files = sorted(p for p in source.iterdir() if p.is_file())
+        number = int(name[1:])
+        write = lambda tmp: [handoff.link_or_copy(f, tmp) for f in files]  # noqa: E731
+        return handoff.write_entry(weights, name, number, write).path
+
+    def read_ahead_of(path: Path) -> bool:
+        deadline = time.monotonic() + 20
+        while fresh_engine.read_ahead_folder != path and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return fresh_engine.read_ahead_folder == path
+
+    prompt = PROMPTS[2]
+    publish("v0", tiny_model_dir)  # there before the watch: not read
+    fresh_engine.watch_for_weights(weights, poll_s=0.05)
+    v1 = publish("v1", tiny_model_dir_alt)
+    assert read_ahead_of(v1)
+    ok, message, _ = fresh_engine.update_weights_from_disk(v1, "1")
+    assert ok and "(read ahead)" in message, message
+    assert fresh_engine.read_ahead_folder is None
+    assert greedy(fresh_engine, prompt, 12).output_ids == hf_greedy(hf_model_alt, prompt, 12)
+
+    v2 = publish("v2", tiny_model_dir)
+    assert read_ahead_of(v2)
+    publish("v2", tiny_model_dir_alt)  # replaced (other files) before its update came
+    ok, message, _ = fresh_engine.update_weights_from_disk(v2, "2")
+    assert ok and "(read now)" in message, message
+    assert greedy(fresh_engine, prompt, 12).output_ids == hf_greedy(hf_model_alt, prompt, 12)
+
+
 def _missing_file(folder: Path) -> None:
     (folder / "model.safetensors").unlink()
 
