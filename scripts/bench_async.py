@@ -148,6 +148,14 @@ def main() -> None:
     print(
         f"         {handoff_idle * 1000:.1f} ms in the sync run, where the server is idle when weights land: {handoff_idle / disk:.2f}x"
     )
+    # Where the async run's handoff goes (medians, so the parts need not add up exactly).
+    rows = asyn[args.skip :]
+    write = statistics.median(r["handoff_total_s"] - r["handoff_latency_s"] for r in rows)
+    commit = statistics.median(r["handoff_latency_s"] - r["handoff_load_s"] for r in rows)
+    load = statistics.median(r["handoff_load_s"] for r in rows)
+    print(
+        f"         async parts: trainer writes + syncs the data {write * 1000:.1f} ms, manifest + rename + controller wakes {commit * 1000:.1f} ms, update call to all servers {load * 1000:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

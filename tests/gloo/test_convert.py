@@ -68,13 +68,14 @@ def test_round_trip_is_bit_exact_and_serves(
     assert weights.keys() == load_file(str(model / "model.safetensors")).keys()
     hf = AutoModelForCausalLM.from_pretrained(hf1, dtype=torch.float32)
     assert hf.config.vocab_size == 96
-    _serves(hf1)
+    _serves(hf1, tmp_path / "serve.log")
 
 
-def _serves(model_dir: Path) -> None:
+def _serves(model_dir: Path, log: Path) -> None:
     port = free_port()
+    argv = ["serve", str(model_dir), "--port", str(port), "--log", str(log)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_cli.cli", "serve", str(model_dir), "--port", str(port)],
+        [sys.executable, "-m", "areal_cli.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
