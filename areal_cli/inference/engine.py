@@ -532,7 +532,7 @@ def _identity(files: list[Path]) -> tuple:
             st = path.stat()
         except OSError as exc:
             raise WeightLoadError(f"cannot read {path}: {exc}") from exc
-        identity.append((str(path.name), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        identity.append((path.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
     return tuple(identity)
 
 
