@@ -65,6 +65,8 @@ def _load_and_check(
         typer.echo(f"warning: {warning.format()}", err=True)
     if problems or result.problems:
         _fail(problems + result.problems, f"in {recipe}")
+    for note in result.resolve_hub_ids(loaded.config):
+        typer.echo(f"note: {note}", err=True)
     return loaded, result
 
 

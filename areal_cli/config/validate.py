@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -36,6 +35,18 @@ class CheckResult:
     problems: list[ConfigProblem] = field(default_factory=list)
     warnings: list[ConfigProblem] = field(default_factory=list)
     allocation: AllocationMode | None = None
+    # Hub ids found in the local Hugging Face cache: key path -> (hub id, snapshot folder).
+    hub_snapshots: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def resolve_hub_ids(self, config: ExperimentConfig) -> list[str]:
+        """Put each cached hub id's local snapshot folder in `config` (every process then
+        loads that folder, offline); returns one note per replaced value."""
+        notes = []
+        for key, (repo_id, folder) in self.hub_snapshots.items():
+            section, name = key.split(".")
+            setattr(getattr(config, section), name, folder)
+            notes.append(f"{key}: {repo_id} -> {folder} (local Hugging Face cache)")
+        return notes
 
 
 class _Checker:
@@ -298,12 +309,17 @@ def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str)
     if Path(value).exists():
         return Path(value)
     if is_hub_id(value):
-        cached = _hub_cache_dir(value, "models" if what != "dataset" else "datasets")
+        repo_type = "dataset" if what == "dataset" else "model"
+        cached = cached_snapshot(value, repo_type)
         if cached is not None:
+            if key.startswith("model."):
+                c.result.hub_snapshots[key] = (value, str(cached))
             return cached
-        message = f"'{value}' is not on this machine (areal never downloads at run time)"
-        repo_type = "--repo-type dataset " if what == "dataset" else ""
-        fix = f"download it beforehand (`hf download {repo_type}{value}`) or give a local path"
+        message = (
+            f"'{value}' is not in the local Hugging Face cache (areal never downloads at run time)"
+        )
+        flag = "--repo-type dataset " if what == "dataset" else ""
+        fix = f"download it first with `hf download {flag}{value}`, or give a local folder"
         (c.error if launch else c.warn)(key, message, fix)
         return None
     fix = "check the path (relative paths count from the recipe's folder)"
@@ -314,14 +330,17 @@ def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str)
     return None
 
 
-def _hub_cache_dir(repo_id: str, kind: str) -> Path | None:
-    root = Path(
-        os.environ.get("HF_HUB_CACHE")
-        or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
-    )
-    snapshots = root / f"{kind}--{repo_id.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*")) if snapshots.is_dir() else []
-    return found[-1] if found else None
+def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
+    """The snapshot folder that the local Hugging Face cache's refs/main points to for
+    `repo_id` (HF_HOME / HF_HUB_CACHE honoured), or None when it is not cached. Asks
+    huggingface_hub's cache API with local_files_only, so it never touches the network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
 
 
 def _check_tokenizer_fits(c: _Checker, config_file: Path, tok_dir: Path) -> None:
