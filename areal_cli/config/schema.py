@@ -39,6 +39,25 @@ class ClusterSpecConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """The controller's progress watchdog: a run that stops making progress ends with a named error."""
+
+    timeout_s: float | None = field(
+        None,
+        "Seconds without a finished trainer step (and without progress of the stuck side) before the run is stopped; null derives it from recent step times.",
+        gt=0,
+    )
+    min_timeout_s: float = field(
+        120.0,
+        "Floor of the derived limit (it also covers rare slow phases such as checkpoints).",
+        gt=0,
+    )
+    step_time_factor: float = field(
+        10.0, "The derived limit is this many times the slowest of the last 10 steps.", gt=1
+    )
+
+
+@dataclass
 class LauncherConfig:
     """How processes are started."""
 
@@ -62,6 +81,7 @@ class LauncherConfig:
     env: dict[str, str] = field(
         factory=dict, doc="Extra environment variables given to every child process."
     )
+    watchdog: WatchdogConfig = sub(WatchdogConfig)
 
 
 @dataclass
@@ -207,6 +227,17 @@ class TrainEngineConfig:
     kl_estimator: str = field("k3", "KL estimator: k1, k2 or k3.", choices=("k1", "k2", "k3"))
     loss_agg_mode: str = field(
         "token_mean", "Loss aggregation over the global batch.", choices=("token_mean", "seq_mean")
+    )
+
+
+@dataclass
+class TrainerConfig:
+    """The torchrun trainer processes (how they run; what they learn is under actor)."""
+
+    collective_timeout_s: float = field(
+        600.0,
+        "Timeout of every collective of the trainer's process group; a rank left waiting longer fails with an error instead of hanging.",
+        gt=0,
     )
 
 
@@ -463,6 +494,7 @@ class ExperimentConfig:
     launcher: LauncherConfig = sub(LauncherConfig)
     model: ModelConfig = sub(ModelConfig)
     actor: TrainEngineConfig = sub(TrainEngineConfig)
+    trainer: TrainerConfig = sub(TrainerConfig)
     rollout: RolloutConfig = sub(RolloutConfig)
     gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
     dataset: DatasetConfig = sub(DatasetConfig)

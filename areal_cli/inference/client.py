@@ -22,7 +22,7 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
@@ -64,7 +64,9 @@ class _Retryable(Exception):
 class _Server:
     address: str
     log: str | None
-    inflight: int = 0
+    inflight: int = 0  # /generate requests, for least_loaded routing
+    pending: dict[str, int] = field(default_factory=dict)  # every call in flight, by path
+    last_done: float = field(default_factory=time.time)  # wall time a call was last answered
 
 
 def _reason(exc: BaseException, timeout_s: float) -> str:
@@ -197,6 +199,14 @@ class InferenceClient:
         """Abort every in-flight request on every server."""
         return await self._call_all("/abort_request", {"abort_all": True})
 
+    def activity(self) -> list[tuple[str, dict[str, int], float]]:
+        """(address, calls in flight by path, wall time one was last answered) of every
+        server: what the controller's watchdog judges a server by."""
+        return [
+            (s.address, {k: n for k, n in s.pending.items() if n}, s.last_done)
+            for s in self.servers
+        ]
+
     async def wait_healthy(
         self,
         timeout_s: float,
@@ -283,11 +293,15 @@ class InferenceClient:
     ) -> Any:
         """One HTTP exchange: the decoded JSON (or text) body, or raise."""
         url = server.address + path
+        server.pending[path] = server.pending.get(path, 0) + 1
         try:
             async with self._http().request(method, url, json=body) as resp:
                 payload = await self._payload(resp)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise _Retryable(_reason(exc, self.timeout_s)) from exc
+        finally:
+            server.pending[path] -= 1
+        server.last_done = time.time()
         if resp.status >= 500:
             raise _Retryable(f"HTTP {resp.status}: {_error_message(payload)}")
         if resp.status >= 400 and not accept_4xx:

@@ -108,6 +108,9 @@ class LocalRunner:
         """SIGTERM every process group, wait up to `grace_s`, then SIGKILL the rest."""
         for child in self.children:
             _signal_group(child.popen, signal.SIGTERM)
+            _signal_group(
+                child.popen, signal.SIGCONT
+            )  # a stopped process acts on TERM only once continued
         deadline = time.monotonic() + grace_s
         for child in self.children:
             try:

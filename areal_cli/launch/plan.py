@@ -23,7 +23,7 @@ from pathlib import Path
 from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.schema import ExperimentConfig
 
-RUN_SUBDIRS = ("logs", "rollouts", "weights", "checkpoints", "recover", "eval")
+RUN_SUBDIRS = ("logs", "heartbeat", "rollouts", "weights", "checkpoints", "recover", "eval")
 REDACTED = "<redacted>"
 
 

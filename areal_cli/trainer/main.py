@@ -10,6 +10,12 @@ Setup, then the loop, then cleanup:
           train, publish weights RUN/weights/v{s+1}, append one line of stats to
           RUN/logs/trainer-metrics.jsonl, and every recover.freq_steps write RUN/recover.
   cleanup final HF checkpoint under RUN/checkpoints when saver says so; destroy the group.
+
+Each rank reports the phase it is in to RUN/heartbeat/trainer-<rank>.json (see
+areal_cli.rundir.heartbeat), which the controller's watchdog reads; SIGUSR1 dumps its
+stacks beside it. The process group has a timeout (trainer.collective_timeout_s), so a
+rank left waiting in a collective fails with an error naming its phase instead of
+hanging.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import math
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.trainer import checkpoint
 from areal_cli.trainer.batch import read_batch
 from areal_cli.trainer.parallelize import build_sharded_model
@@ -89,11 +97,14 @@ def build_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def wait_for_entry(parent: Path, name: str, fixed: bool) -> tuple[handoff.Entry, float]:
+def wait_for_entry(
+    parent: Path, name: str, fixed: bool, beat: Heartbeat
+) -> tuple[handoff.Entry, float]:
     """Block until PARENT/NAME is a finished entry; returns it and the seconds waited."""
     start = time.perf_counter()
     path = parent / name
     announced = False
+    beat.phase(f"wait for {parent.name}/{name}")
     watcher = None if fixed else handoff.Watcher(parent)
     try:
         while True:
@@ -118,26 +129,48 @@ def setup_distributed(cfg: ExperimentConfig) -> str:
     use_cuda = cfg.cluster.n_gpus_per_node > 0 and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     return "cuda" if use_cuda else "cpu"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     from areal_cli.config.loader import load_config
     from areal_cli.launch.local import die_with_parent
-    from areal_cli.launch.plan import initial_model_path, run_dir_of
+    from areal_cli.launch.plan import run_dir_of
 
     die_with_parent()  # a rank must not outlive torchrun (e.g. after kill -9 of the controller)
     args = parse_args(argv)
     cfg = load_config(args.config).config
     run_dir = args.run_dir or run_dir_of(cfg)
+    beat = Heartbeat(run_dir, f"trainer-{os.environ.get('RANK', '0')}")
+    beat.enable_stack_dump()
+    try:
+        train(args, cfg, run_dir, beat)
+    except Exception as exc:
+        # Name the phase: with a collective timeout this tells which collective never met.
+        print(
+            f"[trainer] rank {os.environ.get('RANK', '0')} failed in phase '{beat.last_phase}': "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise
+
+
+def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: Heartbeat) -> None:
+    """Setup, the loop over steps, cleanup (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from areal_cli.launch.plan import initial_model_path
+
+    beat.phase("init process group")
     device_type = setup_distributed(cfg)
     mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     torch.manual_seed(cfg.seed)
     model_dir = Path(initial_model_path(cfg, run_dir))
     build = {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
+    beat.phase("build model")
     model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp, **build)
     ref_model = None
     if cfg.actor.kl_ctl > 0:
@@ -148,9 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     optimizer, scheduler = build_optimizer(model, cfg)
     start = 0
     if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
+        beat.phase(f"load {entry.path.name}")
         state = checkpoint.load_recover(entry, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"] + 1
+        beat.steps_done = start
         # Republish the restored weights so the servers continue from exactly them.
         meta = {"step": start - 1, "resumed": True}
         checkpoint.export_hf(
@@ -168,10 +203,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     for step in range(start, last):
         run_one_step(
-            step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, args.batches
+            step,
+            cfg,
+            run_dir,
+            model,
+            ref_model,
+            optimizer,
+            scheduler,
+            model_dir,
+            args.batches,
+            beat,
         )
+    beat.phase("final barrier")
     dist.barrier()
     if cfg.saver.freq_steps == 0 and last > start:
+        beat.phase("final checkpoint")
         checkpoint.export_hf(
             run_dir / "checkpoints",
             f"step-{last - 1}",
@@ -182,21 +228,32 @@ def main(argv: list[str] | None = None) -> None:
             prefix="step-",
         )
     checkpoint.wait_for_cleanup()
+    beat.phase("done")
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
 
 
 def run_one_step(
-    step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir
+    step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir, beat
 ) -> dict:
     """Wait for the batch, train on it, publish weights, log, checkpoint."""
     source = batches_dir or run_dir / "rollouts"
-    entry, waited = wait_for_entry(source, f"step-{step}", fixed=batches_dir is not None)
+    step_start = time.perf_counter()
+    entry, waited = wait_for_entry(source, f"step-{step}", batches_dir is not None, beat)
+    beat.phase(f"step {step}: read batch")
     batch = read_batch(entry)
     t0 = time.perf_counter()
     stats = train_step(
-        model, optimizer, scheduler, batch, cfg.actor, cfg.gconfig.temperature, ref_model
+        model,
+        optimizer,
+        scheduler,
+        batch,
+        cfg.actor,
+        cfg.gconfig.temperature,
+        ref_model,
+        beat=lambda phase: beat.phase(f"step {step}: {phase}"),
     )
     train_s = time.perf_counter() - t0
+    beat.phase(f"step {step}: publish v{step + 1}")
     t1 = time.perf_counter()
     meta = {"step": step, "stats": stats}
     checkpoint.export_hf(
@@ -218,6 +275,7 @@ def run_one_step(
         "publish_s": publish_s,
     }
     if cfg.recover.freq_steps and (step + 1) % cfg.recover.freq_steps == 0:
+        beat.phase(f"step {step}: save recover checkpoint")
         t2 = time.perf_counter()
         state = {"step": step, "scheduler": scheduler.state_dict()}
         checkpoint.save_recover(
@@ -225,6 +283,7 @@ def run_one_step(
         )
         record["recover_s"] = time.perf_counter() - t2
     if cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0:
+        beat.phase(f"step {step}: save checkpoint")
         checkpoint.export_hf(
             run_dir / "checkpoints",
             f"step-{step}",
@@ -243,6 +302,8 @@ def run_one_step(
         f"clip {stats['clip_frac']:.3f} entropy {stats['entropy']:.3f} tokens {int(stats['tokens'])} "
         f"train {train_s:.2f}s wait {waited:.2f}s publish {publish_s:.2f}s"
     )
+    beat.steps_done = step + 1
+    beat.step_s = time.perf_counter() - step_start
     return record
 
 

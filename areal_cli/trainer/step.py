@@ -3,8 +3,18 @@
 Every rank reads the whole batch (it is small next to the model) and computes the
 advantages of every group itself, so no group is ever split across ranks for that. The
 batch is then cut into `ppo_n_minibatches` consecutive minibatches (one optimizer step
-each); inside a minibatch, rank r takes the r-th contiguous slice of sequences and packs
-it into micro-batches of at most `max_tokens_per_mb` tokens.
+each); inside a minibatch, rank r takes the r-th contiguous slice of sequences (slices
+differ by at most one sequence when the count does not divide) and packs it into
+micro-batches of at most `max_tokens_per_mb` tokens.
+
+Collectives: every rank issues the same collectives in the same order, whatever its
+sequences are. FSDP2 all-gathers in each forward and reduce-scatters in each backward, so
+the ranks must run the same number of micro-batches. Each rank plans its own shard, one
+all-reduce MAX gives the count every rank runs, and a rank that planned fewer re-plans
+with that count as its minimum. Where its shard has fewer sequences than that, the rest
+are empty micro-batches: a one-token forward (and a backward of zero) that takes part in
+the collectives and adds nothing to the loss, the gradients or the stats. The proximal and
+reference passes run the same plan. Statistics are reduced over a fixed set of keys.
 
 Loss normalisation: each micro-batch loss is divided by the minibatch's GLOBAL number of
 loss tokens (or sequences, for seq_mean), computed identically on every rank from the
@@ -16,6 +26,7 @@ micro-batches.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,18 +38,31 @@ from areal_cli.trainer import losses
 from areal_cli.trainer.batch import RolloutBatch
 from areal_cli.trainer.packing import pack_sequences, packed_forward_kwargs, plan_micro_batches
 
+Beat = Callable[[str], None]
+
+
+def _no_beat(phase: str) -> None:
+    pass
+
 
 @dataclass
 class _Shard:
-    """This rank's sequences of one minibatch, packed into micro-batches."""
+    """This rank's sequences of one minibatch, packed into micro-batches.
+
+    `micro_batches[j]` holds indices into the shard; an empty list is a micro-batch that
+    only takes part in the collectives."""
 
     micro_batches: list[list[int]]
     padding_fraction: float
+    replanned: bool = False  # this rank planned fewer micro-batches than another rank
 
 
-def _slice(n: int, parts: int, index: int) -> range:
-    size = n // parts
-    return range(index * size, (index + 1) * size)
+def split_range(n: int, parts: int, index: int) -> range:
+    """The `index`-th of `parts` contiguous slices of range(n); the first n % parts slices
+    hold one item more than the others."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
 
 
 def _forward_logprobs(
@@ -66,6 +90,15 @@ def _forward_logprobs(
     return logp, entropy, cat
 
 
+def _empty_forward(model: nn.Module) -> torch.Tensor:
+    """The forward of an empty micro-batch: one token, so every FSDP unit gathers its
+    parameters; returns a zero connected to them, whose backward reduce-scatters zeros."""
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
+    return logits.float().sum() * 0.0
+
+
 def seq_advantages(batch: RolloutBatch, cfg: TrainEngineConfig) -> torch.Tensor:
     """Per-sequence advantages of the whole batch (given, or from rewards)."""
     if batch.advantages is not None:
@@ -80,30 +113,46 @@ def seq_advantages(batch: RolloutBatch, cfg: TrainEngineConfig) -> torch.Tensor:
 
 
 class _Stats:
-    """Sums that are all-reduced once at the end of the step."""
+    """Sums and maxima over a fixed set of keys, all-reduced once at the end of the step.
 
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
+    The keys come from the config, never from what a rank happened to see, so every rank
+    reduces tensors of the same length."""
+
+    def __init__(self, sum_keys: list[str], max_keys: list[str]) -> None:
+        self.sums = dict.fromkeys(sum_keys, 0.0)
+        self.maxes = dict.fromkeys(max_keys, -math.inf)
 
     def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.sums[key] += float(value)
 
     def max(self, key: str, value: float) -> None:
-        self.maxes[key] = max(self.maxes.get(key, -math.inf), float(value))
+        self.maxes[key] = max(self.maxes[key], float(value))
 
     def reduce(self) -> dict[str, float]:
-        keys = sorted(self.sums)
-        sums = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
-        mkeys = sorted(self.maxes)
-        maxes = torch.tensor([self.maxes[k] for k in mkeys], dtype=torch.float64)
+        sums = torch.tensor(list(self.sums.values()), dtype=torch.float64)
+        maxes = torch.tensor(list(self.maxes.values()), dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(sums)
-            if len(mkeys):
-                dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        out = dict(zip(keys, sums.tolist(), strict=True))
-        out.update(zip(mkeys, maxes.tolist(), strict=True))
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        out = dict(zip(self.sums, sums.tolist(), strict=True))
+        # A maximum over no token at all is reported as 0, like the per-micro-batch stats.
+        out.update(
+            (k, v if math.isfinite(v) else 0.0)
+            for k, v in zip(self.maxes, maxes.tolist(), strict=True)
+        )
         return out
+
+
+def _stat_keys(cfg: TrainEngineConfig) -> tuple[list[str], list[str]]:
+    sums = ["loss", "loss_tokens", "tokens", "entropy_sum", "clip_frac_sum", "behav_logprob_sum"]
+    sums += ["padding_fraction_sum", "replanned_shards", "empty_micro_batches"]
+    maxes = []
+    if cfg.kl_ctl > 0:
+        sums.append("kl_sum")
+    if cfg.use_decoupled_loss:
+        sums.append("imp_weight_sum")
+        maxes.append("imp_weight_max")
+    return sums, maxes
 
 
 def train_step(
@@ -114,38 +163,48 @@ def train_step(
     cfg: TrainEngineConfig,
     temperature: float,
     ref_model: nn.Module | None = None,
+    beat: Beat = _no_beat,
 ) -> dict[str, float]:
     """Run one PPO step on `batch` (collective over the data-parallel ranks).
 
-    `ref_model` (frozen, same sharding) is required when `cfg.kl_ctl > 0`.
+    `ref_model` (frozen, same sharding) is required when `cfg.kl_ctl > 0`. `beat` is told
+    each phase as it starts (the heartbeat that the controller's watchdog reads).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if batch.n_seqs % (world * cfg.ppo_n_minibatches):
-        raise ValueError(
-            f"{batch.n_seqs} sequences cannot be split over {world} ranks x {cfg.ppo_n_minibatches} minibatches"
-        )
     if cfg.kl_ctl > 0 and ref_model is None:
         raise ValueError("actor.kl_ctl > 0 needs a reference model")
     temperature = temperature if temperature > 0 else 1.0
     adv_seq = seq_advantages(batch, cfg)
     n_minibatches = cfg.ppo_n_minibatches
-    stats = _Stats()
-    minibatches = [list(_slice(batch.n_seqs, n_minibatches, m)) for m in range(n_minibatches)]
-    shards = [[mb[i] for i in _slice(len(mb), world, rank)] for mb in minibatches]
-    plans = [_plan(batch, shard, cfg) for shard in shards]
+    stats = _Stats(*_stat_keys(cfg))
+    minibatches = [list(split_range(batch.n_seqs, n_minibatches, m)) for m in range(n_minibatches)]
+    shards = [[mb[i] for i in split_range(len(mb), world, rank)] for mb in minibatches]
+    beat("plan micro-batches")
+    plans = agree_on_micro_batches(batch, shards, cfg)
     prox = (
-        _no_grad_logprobs(model, batch, shards, plans, temperature)
+        _no_grad_logprobs(model, batch, shards, plans, temperature, beat, "proximal")
         if cfg.use_decoupled_loss
         else None
     )
     ref = (
-        _no_grad_logprobs(ref_model, batch, shards, plans, temperature) if cfg.kl_ctl > 0 else None
+        _no_grad_logprobs(ref_model, batch, shards, plans, temperature, beat, "reference")
+        if cfg.kl_ctl > 0
+        else None
     )
     grad_norms = []
     for m, (minibatch, shard, plan) in enumerate(zip(minibatches, shards, plans, strict=True)):
+        if not minibatch:  # fewer sequences than minibatches: the same on every rank
+            if scheduler is not None:
+                scheduler.step()
+            continue
         normalizer = _global_normalizer(batch, minibatch, cfg.loss_agg_mode)
+        n_mbs = len(plan.micro_batches)
         for j, mb in enumerate(plan.micro_batches):
+            beat(f"train mb {j + 1}/{n_mbs}" + _of(m, n_minibatches))
+            if not mb:
+                (_empty_forward(model) * world).backward()
+                continue
             seqs = [shard[i] for i in mb]
             logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature)
             mask = t["loss_mask"].bool()
@@ -179,33 +238,67 @@ def train_step(
             )
             (loss * world).backward()
             _record(stats, loss, lstats, entropy, mask, t)
+        beat("optimizer step" + _of(m, n_minibatches))
         grad_norms.append(_optimizer_step(model, optimizer, cfg.optimizer.gradient_clipping))
         if scheduler is not None:
             scheduler.step()
     for plan in plans:
         stats.add("padding_fraction_sum", plan.padding_fraction)
+        stats.add("replanned_shards", plan.replanned)
+        stats.add("empty_micro_batches", sum(1 for mb in plan.micro_batches if not mb))
+    beat("reduce stats")
     out = stats.reduce()
     return _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer)
 
 
-def _plan(batch: RolloutBatch, shard: list[int], cfg: TrainEngineConfig) -> _Shard:
-    lengths = [int(batch.seqlens[i]) for i in shard]
-    plan = plan_micro_batches(lengths, cfg.mb_spec.max_tokens_per_mb, cfg.mb_spec.n_mbs)
-    return _Shard(plan.mbs, plan.padding_fraction)
+def _of(m: int, n_minibatches: int) -> str:
+    return f" of minibatch {m + 1}/{n_minibatches}" if n_minibatches > 1 else ""
+
+
+def agree_on_micro_batches(
+    batch: RolloutBatch, shards: list[list[int]], cfg: TrainEngineConfig
+) -> list[_Shard]:
+    """Plan each minibatch's shard so that every rank runs the same number of micro-batches.
+
+    One all-reduce MAX over the ranks' own counts (one value per minibatch) gives the
+    count K. A rank that planned fewer re-plans with K as its minimum, which spreads its
+    sequences over more, smaller micro-batches; where that still gives fewer than K (fewer
+    sequences than K), or where the greedy packing overshoots K, it pads its own plan
+    with empty micro-batches."""
+    spec = cfg.mb_spec
+    lengths = [[int(batch.seqlens[i]) for i in shard] for shard in shards]
+    own = [plan_micro_batches(ls, spec.max_tokens_per_mb, spec.n_mbs) for ls in lengths]
+    counts = torch.tensor([len(p.mbs) for p in own], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    plans = []
+    for ls, plan, k in zip(lengths, own, counts.tolist(), strict=True):
+        short = len(plan.mbs) < k
+        if short:
+            again = plan_micro_batches(ls, spec.max_tokens_per_mb, k)
+            plan = again if len(again.mbs) <= k else plan
+        padded = plan.mbs + [[] for _ in range(k - len(plan.mbs))]
+        plans.append(_Shard(padded, plan.padding_fraction, short))
+    return plans
 
 
 @torch.no_grad()
-def _no_grad_logprobs(model, batch, shards, plans, temperature) -> list[list[torch.Tensor]]:
+def _no_grad_logprobs(
+    model, batch, shards, plans, temperature, beat: Beat, name: str
+) -> list[list[torch.Tensor | None]]:
     """Logprobs of every micro-batch under `model` as it is now: the proximal policy
     (current weights before this step's update, for decoupled PPO) or the reference."""
     out = []
-    for shard, plan in zip(shards, plans, strict=True):
-        out.append(
-            [
-                _forward_logprobs(model, batch, [shard[i] for i in mb], temperature)[0]
-                for mb in plan.micro_batches
-            ]
-        )
+    for m, (shard, plan) in enumerate(zip(shards, plans, strict=True)):
+        row: list[torch.Tensor | None] = []
+        for j, mb in enumerate(plan.micro_batches):
+            beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(plans)))
+            if mb:
+                row.append(_forward_logprobs(model, batch, [shard[i] for i in mb], temperature)[0])
+            else:
+                _empty_forward(model)
+                row.append(None)
+        out.append(row)
     return out
 
 
@@ -228,6 +321,8 @@ def _record(stats: _Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, clip: float) -> float:
+    # Every parameter that takes part in the forward has a gradient on every rank (empty
+    # micro-batches included), so the norm's collective sees the same tensors everywhere.
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = clip if clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -242,14 +337,18 @@ def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> di
     loss_tokens = max(out.pop("loss_tokens"), 1.0)
     result = {
         "loss": out.pop("loss"),
-        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         "clip_frac": out.pop("clip_frac_sum") / loss_tokens,
         "entropy": out.pop("entropy_sum") / loss_tokens,
         "behav_logprob_mean": out.pop("behav_logprob_sum") / loss_tokens,
         "tokens": out.pop("tokens"),
         "loss_tokens": loss_tokens,
         "padding_fraction": out.pop("padding_fraction_sum") / (world * n_minibatches),
-        "reward_mean": float(batch.rewards.mean()),
+        # (rank, minibatch) shards that re-planned to match another rank's micro-batch
+        # count, and the empty micro-batches that took part in collectives only
+        "replanned_shards": out.pop("replanned_shards"),
+        "empty_micro_batches": out.pop("empty_micro_batches"),
+        "reward_mean": float(batch.rewards.mean()) if batch.n_seqs else 0.0,
         "lr": optimizer.param_groups[0]["lr"],
     }
     if "kl_sum" in out:

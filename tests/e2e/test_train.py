@@ -210,3 +210,54 @@ def test_teardown_leaves_no_process(tmp_path: Path, how: str) -> None:
         name = "server-0" if how == "kill-server" else "trainer"
         assert f"{name} exited" in err and f"logs/{name}.log" in err, err
     _assert_no_processes_left(run_dir)
+
+
+def test_a_stuck_trainer_rank_is_named_and_the_run_resumes(tmp_path: Path) -> None:
+    """A rank that stops inside a step (test-only fault hook) ends the run by itself."""
+    limit = 15
+    args = _args(tmp_path, 4, "recover.freq_steps=1", f"launcher.watchdog.timeout_s={limit}")
+    run_dir = _run_dir(tmp_path)
+    env = {**os.environ, "AREAL_FAULT_HANG": "trainer-1:step 2: train mb 1/"}
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+    ended = time.time()
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    err = " ".join(result.stderr.split())  # the display may wrap long lines
+    assert "run stuck" in err, err
+    assert "rank 1 is stuck outside any collective in 'step 2: train mb 1/" in err, err
+    assert "rank 0 waits for it in a collective" in err, err
+    hung_since = json.loads((run_dir / "heartbeat" / "trainer-1.json").read_text())["since"]
+    assert ended - hung_since < limit + 15  # the limit, the stack dumps and the teardown
+    _assert_no_processes_left(run_dir)
+    again = subprocess.run(
+        args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2, 3]
+    _assert_no_processes_left(run_dir)
+
+
+def test_a_frozen_server_is_named(tmp_path: Path) -> None:
+    """A server that stops answering (SIGSTOP) while it holds requests ends the run."""
+    run_dir = _run_dir(tmp_path)
+    args = _args(tmp_path, 200, "launcher.watchdog.timeout_s=10")
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, proc)
+        server = [
+            p
+            for p in _processes_of(run_dir)
+            if b"areal_cli.inference.server" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        os.kill(server[0], signal.SIGSTOP)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    err = " ".join(err.split())
+    assert proc.returncode == 1, err[-3000:]
+    assert "run stuck: no rollout progress" in err, err[-3000:]
+    assert "server-0 holds" in err and "answered none" in err, err[-3000:]
+    assert "not answering /health: server-0" in err, err[-3000:]
+    assert "the trainer waits in 'wait for rollouts/step-" in err, err[-3000:]
+    _assert_no_processes_left(run_dir)
