@@ -110,13 +110,11 @@ def train(
             print_plan(plan, Console(), secret=secret)
         return
     _check_ports_free(plan.processes, recipe)
+    from areal_cli.launch.train import run_training
     from areal_cli.metrics.display import make_sink
-    from areal_cli.rollout.controller import run_training
 
     try:
-        code = run_training(
-            loaded, plan, result.allocation, resume, make_sink(loaded.config, Path(plan.run_dir))
-        )
+        code = run_training(loaded, plan, resume, make_sink(loaded.config, Path(plan.run_dir)))
     except FileExistsError as exc:
         from areal_cli.config.errors import ConfigProblem
 
@@ -183,23 +181,21 @@ def serve(
     startup_timeout: float = typer.Option(600.0, help="Seconds allowed for the server to start."),
 ) -> None:
     """Run one inference server in the foreground; Ctrl-C stops it."""
-    from areal_cli.inference import launch
+    from areal_cli.inference.argv import BACKENDS, SGLANG_MISSING, server_argv
 
-    if backend not in launch.BACKENDS:
-        _die(f"--backend must be one of {', '.join(launch.BACKENDS)}, got {backend!r}")
+    if backend not in BACKENDS:
+        _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        _die(launch.SGLANG_MISSING)
+        _die(SGLANG_MISSING)
     path = _serve_model_path(model, model_cache.expanduser())
     try:
-        argv = launch.server_argv(
-            backend, path, host=host, port=port, api_key=api_key, dtype=dtype, tp=tp
-        )
+        argv = server_argv(backend, path, host=host, port=port, api_key=api_key, dtype=dtype, tp=tp)
     except ValueError as exc:
         _die(str(exc))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     if not _port_free(host, port):
         _die(f"port {port} on {host} is already in use")
-    from areal_cli.inference.builtin import cache_dir
+    from areal_cli.models.builtin import cache_dir
 
     log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
     _run_in_foreground(argv, url, log, api_key, startup_timeout)
@@ -214,15 +210,16 @@ def _die(message: str) -> NoReturn:
 def _serve_model_path(model: str, cache: Path) -> str:
     """A model folder for `serve`: builtin models are built in `cache` on first use."""
     if model.startswith("builtin:"):
-        from areal_cli.config.schema import ModelConfig
-        from areal_cli.inference.builtin import BUILTIN_MODELS, materialize
+        from areal_cli.config.schema import BUILTIN_MODELS, ModelConfig
+        from areal_cli.models.builtin import materialize
+        from areal_cli.rollout.rewards import numeric
 
         preset, seed = model.removeprefix("builtin:"), ModelConfig().seed
         if preset not in BUILTIN_MODELS:
             _die(
                 f"unknown builtin model {model!r}; choose one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}"
             )
-        return str(materialize(preset, seed, cache / f"{preset}-seed{seed}"))
+        return str(materialize(preset, seed, cache / f"{preset}-seed{seed}", numeric))
     path = Path(model).expanduser()
     if not path.is_dir():
         _die(f"model folder {model} does not exist (give a folder or builtin:tiny/builtin:small)")
@@ -248,7 +245,7 @@ def _run_in_foreground(
     """Start the server, wait for Ctrl-C (SIGINT) or SIGTERM, stop it, exit 0."""
     import signal
 
-    from areal_cli.inference.launch import ServerStartError, start_server
+    from areal_cli.launch.local import ServerStartError, start_server
     from areal_cli.launch.plan import REDACTED
 
     def interrupt(signum: int, frame: object) -> None:

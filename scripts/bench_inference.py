@@ -51,8 +51,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from areal_cli.inference.client import InferenceClient
-from areal_cli.inference.launch import ServerProcess, start_server
-from areal_cli.inference.tiny_model import build_tiny_model, count_parameters
+from areal_cli.launch.local import ServerProcess, start_server
+from areal_cli.models.tiny_model import build_tiny_model, count_parameters
 
 FIRST_ORDINARY_ID = 10  # below are the special tokens of the builtin tokenizer
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from areal_cli.config.schema import TrainEngineConfig  # noqa: E402
-from areal_cli.trainer.batch import RolloutBatch, write_batch  # noqa: E402
+from areal_cli.rundir.batch import RolloutBatch, write_batch  # noqa: E402
 
 
 def make_batch(n_seqs: int, seq_len: int, vocab: int, group_size: int = 4) -> RolloutBatch:
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=96)
     args = parser.parse_args()
-    from areal_cli.inference.tiny_model import build_tiny_model
+    from areal_cli.models.tiny_model import build_tiny_model
 
     work = Path(
         tempfile.mkdtemp(

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from areal_cli.inference.tiny_model import PRESETS, build_tiny_model
+from areal_cli.models.tiny_model import PRESETS, build_tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Usage: python scripts/make_demo_model.py OUT_DIR [--seed N] [--steps N] [--smoothing F] [--force]
 
 Builds the demo's starting model (`builtin:tiny-arith`, see
-areal_cli/inference/demo_model.py) into OUT_DIR and prints its accuracy. `areal train`
+areal_cli/models/demo_model.py) into OUT_DIR and prints its accuracy. `areal train`
 builds the same model by itself (and caches it); this script is for inspecting or
 re-tuning the warm-up (scripts/tune_demo_rl.py runs RL on its output in-process).
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from areal_cli.inference.demo_model import build_arith_demo_model
+from areal_cli.models.demo_model import build_arith_demo_model
+from areal_cli.rollout.rewards import numeric
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     info = build_arith_demo_model(
         args.out_dir,
+        numeric,
         args.seed,
         args.steps,
         args.batch_size,

@@ -41,10 +41,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_cli.config.loader import load_config
-from areal_cli.inference.engine import GenerateRequest, InferenceEngine
+from areal_cli.inference.api import GenerateRequest
+from areal_cli.inference.engine import InferenceEngine
 from areal_cli.rollout.data import PromptStream, load_prompts, prepare_prompts
 from areal_cli.rollout.rewards import call_reward, resolve_reward
-from areal_cli.trainer.batch import RolloutBatch
+from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer.main import build_optimizer
 from areal_cli.trainer.step import train_step
 

@@ -12,10 +12,26 @@ Names follow AReaL's public vocabulary (`TrainEngineConfig`, `FSDPEngineConfig`,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from areal_cli.config.fields import field, sub
 
+
+def torch_dtype(name: str) -> Any:
+    """torch.float32 for "float32" or "fp32", and so on (imports torch: call it lazily)."""
+    import torch
+
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+# The one dtype table: the names recipes use; `torch_dtype` maps a name (or the short
+# alias convert-checkpoint accepts) to torch.<name>.
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # model.path: builtin:NAME (areal_cli.models)
 
 
 @dataclass

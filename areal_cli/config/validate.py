@@ -10,18 +10,16 @@ laptop.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
 from areal_cli.config.errors import ConfigErrors, ConfigProblem
 from areal_cli.config.loader import LoadedConfig, is_hub_id
-from areal_cli.config.schema import ExperimentConfig
-from areal_cli.inference.builtin import BUILTIN_MODELS
+from areal_cli.config.recipe_code import find_module_file
+from areal_cli.config.schema import BUILTIN_MODELS, ExperimentConfig
 
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
@@ -419,7 +417,7 @@ def _check_callable(
             f"use one of {choices}, or my_module:my_function beside the recipe",
         )
         return
-    source = _find_module_file(module, c.loaded.recipe.resolve().parent)
+    source = find_module_file(module, c.loaded.recipe.resolve().parent)
     if source is None:
         c.error(
             key,
@@ -429,19 +427,6 @@ def _check_callable(
         return
     if source.suffix == ".py" and func not in _top_level_functions(source):
         c.error(key, f"{source.name} defines no function '{func}'", "check the function name")
-
-
-def _find_module_file(module: str, recipe_dir: Path) -> Path | None:
-    local = recipe_dir / (module.replace(".", "/") + ".py")
-    if local.is_file():
-        return local
-    if module.split(".")[0] in sys.modules or "." not in module:
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            return None
-        return Path(spec.origin) if spec and spec.origin else None
-    return None
 
 
 def _top_level_functions(source: Path) -> set[str]:

@@ -24,8 +24,9 @@ from typing import Any
 
 from areal_cli.config.loader import LoadedConfig
 from areal_cli.launch.local import ChildFailed, LocalRunner
-from areal_cli.launch.plan import LaunchPlan, run_dir_of
-from areal_cli.weights import handoff
+from areal_cli.launch.plan import LaunchPlan
+from areal_cli.rundir import handoff
+from areal_cli.rundir.layout import run_dir_of
 
 CORRECT_AT = 0.5
 
@@ -38,11 +39,13 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> tupl
     """An HF folder to serve, and a short name for it (used for the default OUT)."""
     if checkpoint is None:
         if cfg.model.path.startswith("builtin:"):
-            from areal_cli.inference.builtin import materialize
+            from areal_cli.models.builtin import materialize
+            from areal_cli.rollout.rewards import numeric
 
             built = run_dir_of(cfg) / "model"
             built.parent.mkdir(parents=True, exist_ok=True)
-            return materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, built), "initial"
+            name = cfg.model.path.split(":", 1)[1]
+            return materialize(name, cfg.model.seed, built, numeric), "initial"
         return Path(cfg.model.path), "initial"
     if not checkpoint.exists():
         raise EvalInputError(f"checkpoint not found: {checkpoint}")

@@ -33,13 +33,9 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_cli.inference.engine import (
-    DTYPES,
-    GenerateOutput,
-    GenerateRequest,
-    InferenceEngine,
-    SamplingParams,
-)
+from areal_cli.config.schema import DTYPES
+from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
+from areal_cli.inference.engine import InferenceEngine
 
 logger = logging.getLogger("areal_cli.inference.server")
 
@@ -426,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--api-key", default=None)

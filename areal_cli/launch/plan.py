@@ -22,8 +22,9 @@ from pathlib import Path
 
 from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.inference.argv import embedded_args, sglang_args
+from areal_cli.rundir.layout import RUN_SUBDIRS, initial_model_path, run_dir_of
 
-RUN_SUBDIRS = ("logs", "heartbeat", "rollouts", "weights", "checkpoints", "recover", "eval")
 REDACTED = "<redacted>"
 
 
@@ -81,20 +82,6 @@ def _ranges(items: list[int]) -> str:
     if items == list(range(items[0], items[-1] + 1)) and len(items) > 1:
         return f"{items[0]}-{items[-1]}"
     return ",".join(map(str, items))
-
-
-def run_dir_of(cfg: ExperimentConfig) -> Path:
-    """FILEROOT/EXPERIMENT/TRIAL, absolute."""
-    return (
-        Path(cfg.cluster.fileroot).expanduser() / cfg.experiment_name / cfg.trial_name
-    ).absolute()
-
-
-def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
-    """Where servers and trainer load the initial weights from (builtins are built in RUN/model)."""
-    if cfg.model.path.startswith("builtin:"):
-        return str(run_dir / "model")
-    return cfg.model.path
 
 
 def build_plan(
@@ -211,100 +198,6 @@ def _server_process(
         cpus=cpus,
         ports=[port],
     )
-
-
-def sglang_args(
-    cfg: ExperimentConfig,
-    mode: AllocationMode,
-    model: str,
-    port: int,
-    index: int,
-    *,
-    host: str = "127.0.0.1",
-) -> list[str]:
-    """Flags for `python -m sglang.launch_server`, named as in SGLang's server_args.py."""
-    s = cfg.inference.sglang
-    strategy = mode.inference
-    args = [
-        "--model-path",
-        model,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tp-size",
-        str(strategy.tensor_parallel_size),
-        "--pp-size",
-        str(strategy.pipeline_parallel_size),
-        "--base-gpu-id",
-        "0",
-        "--dtype",
-        s.dtype,
-        "--mem-fraction-static",
-        str(s.mem_fraction_static),
-        "--random-seed",
-        str(s.random_seed if s.random_seed is not None else cfg.seed + index),
-        "--schedule-policy",
-        s.schedule_policy,
-        "--log-level",
-        s.log_level,
-        "--weight-version",
-        "0",
-    ]
-    optional = {
-        "--context-length": s.context_length,
-        "--max-running-requests": s.max_running_requests,
-        "--chunked-prefill-size": s.chunked_prefill_size,
-        "--attention-backend": s.attention_backend,
-        "--tokenizer-path": cfg.model.tokenizer_path or None,
-        "--api-key": cfg.inference.api_key or None,
-    }
-    for flag, value in optional.items():
-        if value is not None:
-            args += [flag, str(value)]
-    switches = {
-        "--disable-radix-cache": s.disable_radix_cache,
-        "--enable-deterministic-inference": s.enable_deterministic_inference,
-        "--enable-metrics": s.enable_metrics,
-        "--skip-server-warmup": s.skip_server_warmup,
-        "--trust-remote-code": s.trust_remote_code,
-    }
-    return args + [flag for flag, on in switches.items() if on]
-
-
-def embedded_args(
-    cfg: ExperimentConfig,
-    model: str,
-    port: int,
-    index: int,
-    device_type: str,
-    *,
-    host: str = "127.0.0.1",
-) -> list[str]:
-    """Flags of the embedded server (areal_cli.inference.server); a subset of SGLang's."""
-    e = cfg.inference.embedded
-    device = e.device if e.device != "auto" else device_type
-    args = [
-        "--model-path",
-        model,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dtype",
-        e.dtype,
-        "--weight-version",
-        "0",
-        "--max-running-requests",
-        str(e.max_running_requests),
-        "--random-seed",
-        str(cfg.seed + index),
-        "--device",
-        device,
-    ]
-    if cfg.inference.api_key:
-        args += ["--api-key", cfg.inference.api_key]
-    return args
 
 
 def _trainer_process(

@@ -1,8 +1,8 @@
-"""The controller: `areal train` runs this. Setup, then the loop, then cleanup.
+"""The controller's rollout loop: what `areal train` runs once its processes are up.
 
-Setup: create the run directory, write config.yaml and plan.json, build a builtin model,
-start every child of the plan (servers and the torchrun trainer) and wait until the
-servers are healthy.
+launch/train.py prepares the run directory, starts the servers and the trainer, and then
+runs `run_loop` with two hooks of its own: one that returns when the trainer has finished
+(and raises when a child died), and guards that run beside the loop (the watchdog).
 
 Loop (asyncio), three tasks:
   rollouts  draw prompts, run `group_size` episodes each, score them, and write trainer
@@ -19,44 +19,35 @@ drops (and counts) any group that finished too late. Step s trains the weights o
 s, so with max_staleness 0 every batch is generated entirely by the current weights:
 synchronous RL.
 
-Watchdog: a fourth task reads the trainer ranks' heartbeats and the client's request
-counters every second (areal_cli.launch.watchdog has the rules). When the run stops
-making progress it names the stuck side: for the trainer, the rank and phase, told
-apart from the ranks that wait for it by their stacks; for rollouts, the server that
-holds requests without finishing any, or the controller's own loop. The run then
-stops like any failed run (exit 1), and --resume continues it.
-
-Cleanup: on a normal end, a child's failure, a stuck run, Ctrl-C or SIGTERM, every
-child's process group is terminated. A failed child is named, with the tail of its log.
-
-Resume: the trainer restores RUN/recover/step-N and republishes weights v(N+1); the
-controller drops rollouts and metrics after step N, restores the dataset position saved
-with batch N, and continues at step N+1. Prompts that were in flight when the run died
-are skipped, not replayed.
+Resume: the trainer restores RUN/recover/step-N and republishes weights v(N+1); the loop
+starts at step N+1 with the dataset position saved with batch N. Prompts that were in
+flight when the run died are skipped, not replayed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import statistics
-import sys
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from areal_cli.config.allocation import AllocationMode
-from areal_cli.config.loader import LoadedConfig, to_yaml
-from areal_cli.launch.local import ChildFailed, LocalRunner
-from areal_cli.launch.plan import LaunchPlan, initial_model_path
-from areal_cli.launch.watchdog import RunStuck, watch
-from areal_cli.rollout.workflows import EpisodeClient, Trajectory, resolve_workflow
-from areal_cli.rundir import heartbeat
-from areal_cli.weights import handoff
+from areal_cli.config.loader import LoadedConfig
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rollout.workflows import EpisodeClient, Trajectory, Workflow, resolve_workflow
+from areal_cli.rundir import handoff
+from areal_cli.rundir.layout import initial_model_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from areal_cli.inference.client import InferenceClient
+    from areal_cli.rollout.data import Prompt, PromptStream
+    from areal_cli.rollout.rewards import RewardPool
 
 
 class RunFailed(RuntimeError):
@@ -102,76 +93,28 @@ class LoopState:
         )
 
 
-# ---------------------------------------------------------------------------- setup
+class StepSink(Protocol):
+    """Where the loop reports (areal_cli.metrics.display.Sink is one)."""
+
+    def status(self, text: str) -> None: ...
+
+    def step(self, metrics: dict[str, float]) -> None: ...
 
 
-def prepare_run_dir(loaded: LoadedConfig, plan: LaunchPlan, resume: bool) -> int:
-    """Create the run tree and write config.yaml and plan.json; returns the first step."""
-    run_dir = Path(plan.run_dir)
-    started = (run_dir / "weights").is_dir() and any((run_dir / "weights").iterdir())
-    if started and not resume:
-        raise FileExistsError(
-            f"{run_dir} already holds a run; add --resume to continue it, or set another trial_name"
-        )
-    for directory in plan.dirs:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-    handoff.write_json_atomic(
-        run_dir / "plan.json", plan.to_dict(secret=loaded.config.inference.api_key)
-    )
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(to_yaml(loaded.config))
-    os.replace(tmp, run_dir / "config.yaml")
-    if not resume:
-        return 0
-    entry = handoff.latest(run_dir / "recover", "step-")
-    return entry.version + 1 if entry else 0
+@dataclass(frozen=True)
+class ServerAddress:
+    """One inference server as the loop sees it."""
 
-
-def trim_after(run_dir: Path, last_step: int) -> None:
-    """Forget rollouts and metrics of steps after `last_step` (they will be redone)."""
-    for entry in handoff.list_entries(run_dir / "rollouts", "step-"):
-        if entry.version > last_step:
-            handoff.remove_entry(entry.path)
-    for entry in handoff.list_entries(run_dir / "weights", "v"):
-        if entry.version > last_step + 1:  # trained after the checkpoint: will be redone
-            handoff.remove_entry(entry.path)
-    for name in ("metrics.jsonl", "logs/trainer-metrics.jsonl"):
-        path = run_dir / name
-        if path.exists():
-            keep = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= last_step
-            ]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
-
-
-def ensure_model(loaded: LoadedConfig, run_dir: Path) -> Path:
-    """The initial model folder; builtin models are built into RUN/model once."""
-    cfg = loaded.config
-    path = Path(initial_model_path(cfg, run_dir))
-    if cfg.model.path.startswith("builtin:"):
-        from areal_cli.inference.builtin import materialize
-
-        materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, path)
-    return path
-
-
-def child_argv(loaded: LoadedConfig, spec: Any, resume: bool) -> list[str]:
-    """The spec's argv, with --resume for a resumed trainer."""
-    argv = list(spec.argv)
-    if spec.name == "trainer" and resume:
-        argv.append("--resume")
-    return argv
+    name: str  # the process name, e.g. server-0
+    address: str  # http://host:port
+    log: str
 
 
 # ---------------------------------------------------------------------------- rollouts
 
 
 async def run_group(
-    ctx: RolloutContext, prompt: Any, group_index: int, start_version: int
+    ctx: RolloutContext, prompt: Prompt, group_index: int, start_version: int
 ) -> Group:
     """`group_size` episodes of one prompt, concurrently, each with its own sampling seed."""
     cfg = ctx.cfg
@@ -193,13 +136,13 @@ async def run_group(
 class RolloutContext:
     """Long-lived objects of the rollout loop."""
 
-    cfg: Any
+    cfg: ExperimentConfig
     run_dir: Path
-    inference: Any
-    tokenizer: Any
-    rewards: Any
-    workflow: Any
-    stream: Any
+    inference: InferenceClient
+    tokenizer: PreTrainedTokenizerBase
+    rewards: RewardPool
+    workflow: Workflow
+    stream: PromptStream[Prompt]
     total_steps: int
 
 
@@ -291,7 +234,7 @@ def write_rollout_batch(
     """Pack the groups into RUN/rollouts/step-N and remember their stats."""
     import torch
 
-    from areal_cli.trainer.batch import RolloutBatch, write_batch
+    from areal_cli.rundir.batch import RolloutBatch, write_batch
 
     trajs = [t for g in groups for t in g.trajectories]
     seqs = [
@@ -410,7 +353,7 @@ METRIC_KEYS = (
 
 
 async def metrics_task(
-    ctx: RolloutContext, state: LoopState, sink: Any, poll_s: float = 0.1
+    ctx: RolloutContext, state: LoopState, sink: StepSink, poll_s: float = 0.1
 ) -> None:
     """Join trainer stats and rollout stats per step into metrics.jsonl and the display."""
     trainer_file = ctx.run_dir / "logs" / "trainer-metrics.jsonl"
@@ -469,18 +412,21 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
 # ---------------------------------------------------------------------------- the run
 
 
-async def _watch_children(runner: LocalRunner, poll_s: float = 0.2) -> None:
-    """Raise ChildFailed as soon as a child dies; return when the trainer exits cleanly."""
-    while True:
-        runner.check(allow_exit={"trainer"})
-        if runner.get("trainer").popen.poll() == 0:
-            return
-        await asyncio.sleep(poll_s)
-
-
-async def _run_loop(
-    loaded: LoadedConfig, plan: LaunchPlan, runner: LocalRunner, start_step: int, sink: Any
+async def run_loop(
+    loaded: LoadedConfig,
+    run_dir: Path,
+    servers: list[ServerAddress],
+    start_step: int,
+    sink: StepSink,
+    *,
+    check_children: Callable[[], None],
+    until_trainer_done: Callable[[], Awaitable[None]],
+    guards: Callable[[InferenceClient, LoopState], list[Awaitable[None]]],
 ) -> None:
+    """Wait for the servers, then run the three tasks until `until_trainer_done()` returns.
+
+    `check_children` raises when a process died (called while the servers start);
+    `guards(client, state)` run beside the tasks, and any of them raising stops the loop."""
     import datasets
 
     from areal_cli.inference.client import InferenceClient
@@ -489,22 +435,18 @@ async def _run_loop(
 
     datasets.disable_progress_bars()
     cfg = loaded.config
-    run_dir = Path(plan.run_dir)
-    servers = [p for p in plan.processes if p.role.startswith("inference")]
-    addresses = [f"http://127.0.0.1:{p.ports[0]}" for p in servers]
-    logs = {a: p.log for a, p in zip(addresses, servers, strict=True)}
     client = InferenceClient(
-        addresses,
+        [s.address for s in servers],
         api_key=cfg.inference.api_key,
         timeout_s=cfg.rollout.request_timeout_s,
         retries=cfg.rollout.request_retries,
-        logs=logs,
+        logs={s.address: s.log for s in servers},
     )
     rewards = RewardPool.from_config(cfg.reward, loaded.recipe.resolve().parent)
     try:
         sink.status("waiting for inference servers")
         await client.wait_healthy(
-            cfg.launcher.startup_timeout_s, on_poll=lambda _: runner.check(allow_exit={"trainer"})
+            cfg.launcher.startup_timeout_s, on_poll=lambda _: check_children()
         )
         tokenizer = _load_tokenizer(cfg, run_dir)
         prompts, skipped = prepare_prompts(tokenizer, load_prompts(cfg.dataset), cfg.dataset)
@@ -526,46 +468,40 @@ async def _run_loop(
             asyncio.create_task(rollout_task(ctx, state)),
             asyncio.create_task(weights_task(ctx, state)),
             asyncio.create_task(metrics_task(ctx, state, sink)),
-            asyncio.create_task(
-                watch(
-                    cfg,
-                    run_dir,
-                    client,
-                    {a: p.name for a, p in zip(addresses, servers, strict=True)},
-                    state.describe,
-                )
-            ),
+            *(asyncio.ensure_future(guard) for guard in guards(client, state)),
         ]
-        watcher = asyncio.create_task(_watch_children(runner))
+        done_task = asyncio.ensure_future(until_trainer_done())
         try:
-            while not watcher.done():
-                done, _ = await asyncio.wait([watcher, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            while not done_task.done():
+                done, _ = await asyncio.wait(
+                    [done_task, *tasks], return_when=asyncio.FIRST_COMPLETED
+                )
                 for task in done:
-                    if task is not watcher and task.exception() is not None:
+                    if task is not done_task and task.exception() is not None:
                         raise task.exception()
                 tasks = [t for t in tasks if not t.done()]
-            watcher.result()
+            done_task.result()
             await asyncio.sleep(0.3)  # let the metrics task read the trainer's last line
             lines, _ = _read_new_lines(run_dir / "logs" / "trainer-metrics.jsonl", 0)
             await _drain_metrics(ctx, state, sink, len(lines))
         finally:
-            for task in [*tasks, watcher]:
+            for task in [*tasks, done_task]:
                 task.cancel()
-            await asyncio.gather(*tasks, watcher, return_exceptions=True)
+            await asyncio.gather(*tasks, done_task, return_exceptions=True)
     finally:
         rewards.close()
         await client.close()
 
 
 async def _drain_metrics(
-    ctx: RolloutContext, state: LoopState, sink: Any, expected: int, timeout_s: float = 30.0
+    ctx: RolloutContext, state: LoopState, sink: StepSink, expected: int, timeout_s: float = 30.0
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while len(_steps_in(ctx.run_dir / "metrics.jsonl")) < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
 
 
-def _load_tokenizer(cfg: Any, run_dir: Path) -> Any:
+def _load_tokenizer(cfg: ExperimentConfig, run_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(
@@ -573,60 +509,9 @@ def _load_tokenizer(cfg: Any, run_dir: Path) -> Any:
     )
 
 
-def _restore_stream(stream: Any, run_dir: Path, start_step: int) -> None:
+def _restore_stream(stream: PromptStream[Prompt], run_dir: Path, start_step: int) -> None:
     if start_step == 0:
         return
     entry = handoff.latest(run_dir / "rollouts", "step-")
     if entry is not None and entry.version == start_step - 1 and "data_state" in entry.meta:
         stream.load_state_dict(entry.meta["data_state"])
-
-
-def run_training(
-    loaded: LoadedConfig, plan: LaunchPlan, mode: AllocationMode, resume: bool, sink: Any
-) -> int:
-    """Run the whole training job; returns the process exit code (0, 1 or 130)."""
-    run_dir = Path(plan.run_dir)
-    start_step = prepare_run_dir(loaded, plan, resume)
-    if resume:
-        trim_after(run_dir, start_step - 1)
-    if start_step >= loaded.config.total_train_steps:
-        sink.status(f"nothing to do: the run already finished {start_step} steps")
-        return 0
-    if loaded.config.model.path.startswith("builtin:"):
-        sink.status(f"preparing {loaded.config.model.path} (built and cached on first use)")
-    ensure_model(loaded, run_dir)
-    heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog
-    runner = LocalRunner()
-    interrupted = {"signal": None}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        interrupted["signal"] = signum
-        raise KeyboardInterrupt
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for spec in plan.processes:
-            runner.start(spec, child_argv(loaded, spec, resume))
-        sink.start(loaded.config, start_step)
-        asyncio.run(_run_loop(loaded, plan, runner, start_step, sink))
-        sink.finish(run_dir)
-        return 0
-    except KeyboardInterrupt:
-        sink.error(
-            f"interrupted by {signal.Signals(interrupted['signal'] or signal.SIGINT).name}; stopping every process"
-        )
-        return 130
-    except ChildFailed as exc:
-        sink.error(f"{exc}\n--- last lines of {exc.child.spec.log} ---\n{exc.tail.rstrip()}")
-        return 1
-    except RunStuck as exc:
-        sink.error(f"run stuck: {exc}; stopping every process (areal train --resume continues it)")
-        return 1
-    except Exception as exc:  # the run started: report, tear down, exit 1
-        sink.error(f"run failed: {exc.__class__.__name__}: {exc}")
-        return 1
-    finally:
-        runner.stop_all()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        sys.stdout.flush()

@@ -29,8 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from areal_cli.config.recipe_code import RecipeCodeError, load_function
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import RewardConfig
@@ -137,52 +138,10 @@ def resolve_reward(spec: str, recipe_dir: Path | str | None = None) -> RewardFn:
                 f"reward {spec!r}: unknown builtin {name!r}; choose one of {', '.join(sorted(BUILTINS))}"
             )
         return BUILTINS[name]
-    module = _import_reward_module(prefix, Path(recipe_dir) if recipe_dir else None, spec)
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(
-            f"reward {spec!r}: module {prefix!r} ({getattr(module, '__file__', '?')}) has no "
-            f"function {name!r}; it defines: {', '.join(public) or 'nothing callable'}"
-        )
-    return fn
-
-
-def _import_reward_module(module: str, recipe_dir: Path | None, spec: str) -> ModuleType:
-    """Load ``module`` from a .py file in ``recipe_dir`` if there is one, else import it."""
-    if recipe_dir is not None:
-        path = recipe_dir / (module.replace(".", "/") + ".py")
-        if path.is_file():
-            return _load_file_module(module, path.resolve())
     try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        where = f"no {module}.py in {recipe_dir} and " if recipe_dir else ""
-        raise ValueError(
-            f"reward {spec!r}: {where}module {module!r} is not importable: {exc}"
-        ) from exc
-
-
-def _load_file_module(name: str, path: Path) -> ModuleType:
-    """Execute a recipe-side .py file as module ``name`` (once per process)."""
-    loaded = sys.modules.get(name)
-    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
-        return loaded
-    # Appended, not prepended: helpers beside the recipe become importable without letting a
-    # recipe folder shadow installed packages in the trainer process.
-    if str(path.parent) not in sys.path:
-        sys.path.append(str(path.parent))
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"cannot load reward module from {path}")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # before exec, so dataclasses and pickling inside it work
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+        return load_function(spec, Path(recipe_dir) if recipe_dir else None)
+    except RecipeCodeError as exc:
+        raise ValueError(f"reward {spec!r}: {exc}") from exc
 
 
 def call_reward(fn: RewardFn, completion: str, answer: str, fields: Mapping[str, Any]) -> float:

@@ -10,14 +10,12 @@ receives the same `EpisodeClient` and sample dict and returns a `Trajectory`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_cli.config.recipe_code import load_function
 from areal_cli.config.schema import GenerationHyperparameters
 
 
@@ -223,13 +221,4 @@ def resolve_workflow(spec: str, recipe_dir: Path, max_turns: int) -> Workflow:
         return single_turn
     if spec == "multi_turn":
         return lambda client, sample: multi_turn(client, sample, max_turns)
-    module_name, _, func = spec.partition(":")
-    local = recipe_dir / (module_name.replace(".", "/") + ".py")
-    if local.is_file():
-        module_spec = importlib.util.spec_from_file_location(f"areal_recipe_{module_name}", local)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    return getattr(module, func)
+    return load_function(spec, recipe_dir)  # type: ignore[return-value]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from areal_cli.weights import handoff
+from areal_cli.rundir import handoff
 
 RECOVER_PREFIX = "step-"
 
@@ -150,7 +150,7 @@ def _build_plan(model: nn.Module, fingerprint: tuple) -> _ExportPlan:
     """FSDP2 shards every parameter along dim 0 in `torch.chunk` pieces, and the rows of a
     row-major tensor are contiguous bytes, so each rank can write its own rows straight
     into the exported file. Anything else is written whole by rank 0."""
-    from areal_cli.weights.safetensors_io import layout, tensor_bytes
+    from areal_cli.rundir.safetensors_io import layout, tensor_bytes
 
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
@@ -225,8 +225,8 @@ def export_hf(
     protocol). This needs a filesystem where writes from several processes to disjoint
     ranges of one file are safe: local disks, NFS, Lustre and GPFS all are.
     """
-    from areal_cli.trainer.parallelize import model_files_to_copy
-    from areal_cli.weights.safetensors_io import PieceWriter
+    from areal_cli.rundir.layout import model_files_to_copy
+    from areal_cli.rundir.safetensors_io import PieceWriter
 
     meta = {**(meta or {}), "publish_started": time.time()}
     rank = dist.get_rank()

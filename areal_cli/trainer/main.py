@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rundir import handoff
+from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.trainer import checkpoint
-from areal_cli.trainer.batch import read_batch
 from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.step import train_step
-from areal_cli.weights import handoff
 
 POLL_S = 0.05
 
@@ -136,8 +136,8 @@ def setup_distributed(cfg: ExperimentConfig) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from areal_cli.config.loader import load_config
-    from areal_cli.launch.local import die_with_parent
-    from areal_cli.launch.plan import run_dir_of
+    from areal_cli.rundir.layout import run_dir_of
+    from areal_cli.rundir.process import die_with_parent
 
     die_with_parent()  # a rank must not outlive torchrun (e.g. after kill -9 of the controller)
     args = parse_args(argv)
@@ -162,7 +162,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     """Setup, the loop over steps, cleanup (see the module docstring)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from areal_cli.launch.plan import initial_model_path
+    from areal_cli.rundir.layout import initial_model_path
 
     beat.phase("init process group")
     device_type = setup_distributed(cfg)

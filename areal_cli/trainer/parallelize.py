@@ -19,9 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from areal_cli.config.schema import FSDPEngineConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from areal_cli.config.schema import FSDPEngineConfig, torch_dtype
 
 
 @contextlib.contextmanager
@@ -60,7 +58,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: FSDPEngineConfig) -> nn
             "actor.fsdp.offload_params needs an accelerator; on CPU the parameters already live in host memory"
         )
     mp = MixedPrecisionPolicy(
-        param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
+        param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
     )
     kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.offload_params:
@@ -105,7 +103,7 @@ def build_sharded_model(
 
     config = AutoConfig.from_pretrained(model_dir)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -127,15 +125,3 @@ def build_sharded_model(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only, strict=True)
     set_model_state_dict(model, full, options=options)
     return model
-
-
-def model_files_to_copy(model_dir: Path) -> list[Path]:
-    """Config, generation config and tokenizer files to ship beside exported weights."""
-    keep = []
-    for p in sorted(model_dir.iterdir()):
-        if p.suffix in (".json", ".jinja", ".txt", ".model") and p.name not in (
-            "model.safetensors.index.json",
-            "manifest.json",
-        ):
-            keep.append(p)
-    return keep

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_cli.config.schema import TrainEngineConfig
+from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
-from areal_cli.trainer.batch import RolloutBatch
 from areal_cli.trainer.packing import pack_sequences, packed_forward_kwargs, plan_micro_batches
 
 Beat = Callable[[str], None]

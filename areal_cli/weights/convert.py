@@ -28,15 +28,9 @@ from pathlib import Path
 
 import torch
 
-from areal_cli.weights import handoff
+from areal_cli.config.schema import torch_dtype
+from areal_cli.rundir import handoff
 
-DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-}
 MODEL_PREFIX = "model."
 
 
@@ -144,7 +138,7 @@ def find_model_dir(src: Source, override: Path | None) -> Path:
             raise ConvertError(f"--model-config {override} has no config.json")
         return override
     from areal_cli.config.loader import load_config
-    from areal_cli.launch.plan import initial_model_path
+    from areal_cli.rundir.layout import initial_model_path
 
     for parent in [src.entry, *src.entry.parents][:4]:
         config = parent / "config.yaml"
@@ -162,8 +156,8 @@ def dcp_to_hf(
     src: Source, tmp: Path, model_dir: Path, dtype: torch.dtype | None, max_shard: int
 ) -> list[handoff.FileRecord]:
     """Stream a DCP checkpoint into HF safetensors shards plus config and tokenizer."""
-    from areal_cli.trainer.parallelize import model_files_to_copy
-    from areal_cli.weights.safetensors_io import StreamingWriter
+    from areal_cli.rundir.layout import model_files_to_copy
+    from areal_cli.rundir.safetensors_io import StreamingWriter
 
     specs = _dcp_model_tensors(src.path)
     config = json.loads((model_dir / "config.json").read_text())
@@ -282,7 +276,7 @@ def convert(
         )
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
         raise ConvertError(f"{dst} exists and is not empty; pass --force to replace it")
-    torch_dtype = DTYPES[dtype] if dtype else None
+    to_dtype = torch_dtype(dtype) if dtype else None
     max_shard = parse_size(max_shard_size)
     model_dir = find_model_dir(src, model_config) if target == "hf" else None
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -290,9 +284,9 @@ def convert(
     tmp.mkdir()
     try:
         if target == "hf":
-            records = dcp_to_hf(src, tmp, model_dir, torch_dtype, max_shard)
+            records = dcp_to_hf(src, tmp, model_dir, to_dtype, max_shard)
         else:
-            records = hf_to_dcp(src, tmp, torch_dtype)
+            records = hf_to_dcp(src, tmp, to_dtype)
         manifest = {
             "name": dst.name,
             "version": 0,

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.inference.builtin import materialize
+from areal_cli.models.builtin import materialize
+from areal_cli.rollout.rewards import numeric
 from tests.conftest import REPO
 from tests.gloo.conftest import free_port
 
@@ -25,7 +26,7 @@ OLDER = "ffffffffffffffffffffffffffffffffffffffff"  # sorts last, but refs/main 
 
 def _hub_cache(tmp_path: Path) -> tuple[Path, Path]:
     """HF_HOME with the tiny demo model laid out as the Hub cache stores it."""
-    model = materialize("tiny-arith", 1, tmp_path / "built")
+    model = materialize("tiny-arith", 1, tmp_path / "built", numeric)
     hf_home = tmp_path / "hf"
     repo = hf_home / "hub" / f"models--{REPO_ID.replace('/', '--')}"
     snapshot = repo / "snapshots" / MAIN

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.weights import handoff
+from areal_cli.rundir import handoff
 from tests.conftest import REPO
 from tests.gloo.conftest import free_port
 
@@ -134,6 +134,32 @@ def test_train_runs_end_to_end(tmp_path: Path) -> None:
     _assert_no_processes_left(run_dir)
 
 
+def test_the_demo_learns(tmp_path: Path) -> None:
+    """The demo recipe as shipped (batch and group size included), for half its steps:
+    the mean reward of the last 5 steps is well above the first step's."""
+    args = _args(tmp_path, 12)
+    args = args[: args.index("rollout.batch_size=4")]  # keep the recipe's batch shape
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rewards = [r["reward_mean"] for r in _metrics(_run_dir(tmp_path))]
+    assert len(rewards) == 12
+    assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
+
+
+def test_the_multi_turn_recipe_trains(tmp_path: Path) -> None:
+    base = free_port()
+    args = [
+        sys.executable, "-m", "areal_cli.cli", "train", "recipes/tiny_multiturn.yaml",
+        f"cluster.fileroot={tmp_path}", "total_train_steps=3", "logging.display=plain",
+        f"launcher.inference_base_port={base}", f"launcher.trainer_port={free_port()}",
+    ]  # fmt: skip
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "tiny-multiturn" / "trial0"
+    assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
+    _assert_no_processes_left(run_dir)
+
+
 def test_synchronous_mode_never_uses_stale_samples(tmp_path: Path) -> None:
     result = subprocess.run(
         _args(tmp_path, 3, "rollout.max_staleness=0"),
@@ -171,8 +197,9 @@ def test_resume_after_kill_9_of_the_controller(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(6))
-    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
-    assert recovered >= 0
+    # The trainer resumed from exactly the newest recover entry left by the killed run.
+    resumed = f"resumed from {run_dir / 'recover' / f'step-{recovered}'} at step {recovered + 1}"
+    assert resumed in (run_dir / "logs" / "trainer.log").read_text()
     _assert_no_processes_left(run_dir)
 
 

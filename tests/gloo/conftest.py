@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_cli.trainer.batch import RolloutBatch, write_batch
+from areal_cli.rundir.batch import RolloutBatch, write_batch
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 

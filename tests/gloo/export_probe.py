@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from areal_cli.config.loader import load_config
+from areal_cli.rundir import handoff
+from areal_cli.rundir.batch import read_batch
 from areal_cli.trainer import checkpoint
-from areal_cli.trainer.batch import read_batch
 from areal_cli.trainer.main import build_optimizer
 from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.step import train_step
-from areal_cli.weights import handoff
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_cli.trainer.batch import RolloutBatch, write_batch
-from areal_cli.weights import handoff
+from areal_cli.rundir import handoff
+from areal_cli.rundir.batch import RolloutBatch, write_batch
 from tests.gloo.conftest import torchrun, write_config
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_cli.weights import handoff
+from areal_cli.rundir import handoff
 from tests.gloo.conftest import (
     make_batches,
     make_model,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.inference.tiny_model import build_tiny_model
+from areal_cli.models.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

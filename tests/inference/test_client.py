@@ -19,13 +19,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from areal_cli.inference.argv import server_argv
 from areal_cli.inference.client import (
     InferenceClient,
     RequestRejected,
     ServerUnavailable,
     WeightUpdateFailed,
 )
-from areal_cli.inference.launch import ServerProcess, server_argv, start_server
+from areal_cli.launch.local import ServerProcess, start_server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 

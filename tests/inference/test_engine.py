@@ -21,12 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from areal_cli.inference.engine import (
-    GenerateOutput,
-    GenerateRequest,
-    InferenceEngine,
-    SamplingParams,
-)
+from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
+from areal_cli.inference.engine import InferenceEngine
 
 TOL = 1e-4
 PROMPTS = [[5], [300, 12, 99], [40, 41, 42, 43, 44, 45, 46, 47], list(range(100, 131))]
@@ -305,7 +301,7 @@ def test_entries_renamed_into_a_watched_folder_are_read_ahead(
 ) -> None:
     """The server reads each new weights/vN while the controller is still on its way; the
     update then only swaps. An entry replaced after it was read ahead is read again."""
-    from areal_cli.weights import handoff
+    from areal_cli.rundir import handoff
 
     weights = tmp_path / "weights"
 

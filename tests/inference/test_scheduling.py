@@ -7,12 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_cli.inference.engine import (
-    GenerateRequest,
-    InferenceEngine,
-    SamplingParams,
-    _split_by_length,
-)
+from areal_cli.inference.api import GenerateRequest, SamplingParams
+from areal_cli.inference.engine import InferenceEngine, split_by_length
 
 
 def _seqs(lengths: list[int]) -> list[SimpleNamespace]:
@@ -21,7 +17,7 @@ def _seqs(lengths: list[int]) -> list[SimpleNamespace]:
 
 def test_split_keeps_every_sequence_once_and_sorts_by_length() -> None:
     seqs = _seqs([60, 8, 9, 61, 10, 59, 30])
-    parts = _split_by_length(seqs, pass_cost=16)
+    parts = split_by_length(seqs, pass_cost=16)
     flat = [s for part in parts for s in part]
     assert sorted(map(id, flat)) == sorted(map(id, seqs))
     lengths = [s.kv_len for s in flat]
@@ -30,10 +26,10 @@ def test_split_keeps_every_sequence_once_and_sorts_by_length() -> None:
 
 
 def test_split_keeps_similar_lengths_together() -> None:
-    assert _split_by_length([], pass_cost=16) == []
-    assert len(_split_by_length(_seqs([20, 21, 22, 20]), pass_cost=16)) == 1
+    assert split_by_length([], pass_cost=16) == []
+    assert len(split_by_length(_seqs([20, 21, 22, 20]), pass_cost=16)) == 1
     # a pass costs more than the padding it would save: one pass
-    assert len(_split_by_length(_seqs([8, 60]), pass_cost=1000)) == 1
+    assert len(split_by_length(_seqs([8, 60]), pass_cost=1000)) == 1
 
 
 def _finish_order(engine: InferenceEngine, lengths: list[int]) -> list[int]:

@@ -16,12 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.inference.launch import (
-    SGLANG_MISSING,
-    ServerStartError,
-    server_argv,
-    start_server,
-)
+from areal_cli.inference.argv import SGLANG_MISSING, server_argv
+from areal_cli.launch.local import ServerStartError, start_server
 from tests.conftest import REPO, run_areal
 
 GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}

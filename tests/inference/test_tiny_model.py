@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from areal_cli.inference.tiny_model import (
+from areal_cli.models.tiny_model import (
     EOS_TOKEN,
     MARKER_FILE,
     build_tiny_model,
@@ -118,3 +118,15 @@ def test_script(tmp_path: Path) -> None:
     assert (out / "model.safetensors").is_file()
     bad = subprocess.run([*cmd[:2], str(out), "--preset", "huge"], capture_output=True, text=True)
     assert bad.returncode != 0
+
+
+def test_demo_prompts_render_as_the_rollout_renders_dataset_rows(tiny_model_dir: Path) -> None:
+    """The tiny-arith warm-up trains on the very token ids the rollout will send."""
+    from areal_cli.config.schema import DatasetConfig
+    from areal_cli.models.demo_model import prompt_ids
+    from areal_cli.rollout.data import format_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for a, b in ((0, 0), (3, 4), (9, 9)):
+        row = {"prompt": f"What is {a}+{b}?", "answer": str(a + b)}
+        assert prompt_ids(tokenizer, a, b) == format_prompt(tokenizer, row, DatasetConfig())

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_cli.trainer.batch import RolloutBatch, read_batch, write_batch
-from areal_cli.weights import handoff
+from areal_cli.rundir import handoff
+from areal_cli.rundir.batch import RolloutBatch, read_batch, write_batch
 
 
 def _write(parent: Path, n: int, payload: bytes = b"abc") -> handoff.Entry:
@@ -119,7 +119,7 @@ def test_fast_crc32_is_zlibs_checksum() -> None:
     also when continued from a running value and on memoryviews of tensors."""
     import os
 
-    from areal_cli.weights.safetensors_io import tensor_bytes
+    from areal_cli.rundir.safetensors_io import tensor_bytes
 
     for n in (0, 1, 63, 4097, (1 << 20) + 5):
         data = os.urandom(n)
@@ -130,7 +130,7 @@ def test_fast_crc32_is_zlibs_checksum() -> None:
 
 
 def test_pieces_from_several_writers_make_one_checked_file(tmp_path: Path) -> None:
-    from areal_cli.weights.safetensors_io import PieceWriter, layout
+    from areal_cli.rundir.safetensors_io import PieceWriter, layout
 
     tensors = {"a": torch.arange(12.0).reshape(4, 3), "b": torch.arange(5, dtype=torch.int64)}
     header, starts, size = layout(tuple((k, v.dtype, tuple(v.shape)) for k, v in tensors.items()))

@@ -8,7 +8,8 @@ import pytest
 
 from areal_cli.config.loader import load_config
 from areal_cli.config.validate import check_config
-from areal_cli.launch.plan import build_plan, sglang_args
+from areal_cli.inference.argv import sglang_args
+from areal_cli.launch.plan import build_plan
 from tests.conftest import REPO
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from areal_cli.weights.safetensors_io import read_tensors, write_safetensors
+from areal_cli.rundir.safetensors_io import read_tensors, write_safetensors
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -29,14 +29,26 @@ def test_read_matches_the_reference_library_and_reuses_its_buffer(tmp_path: Path
     assert all(
         torch.equal(v, load_file(str(tmp_path / "ours.safetensors"))[k]) for k, v in tensors.items()
     )
-    buffer = None
     for name in ("ref.safetensors", "ours.safetensors"):
-        loaded, again = read_tensors(tmp_path / name, buffer)
-        assert buffer is None or again is buffer or len(again) != len(buffer)
-        buffer = again
+        loaded, _ = read_tensors(tmp_path / name)
         assert loaded.keys() == tensors.keys()
         for key, value in tensors.items():
             assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    # A file of the same size is read into the buffer it is given, in place ...
+    _, buffer = read_tensors(tmp_path / "ours.safetensors")
+    write_safetensors(
+        tmp_path,
+        "plus1.safetensors",
+        {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()},
+    )
+    assert (tmp_path / "plus1.safetensors").stat().st_size == len(buffer)
+    loaded, again = read_tensors(tmp_path / "plus1.safetensors", buffer)
+    assert again is buffer
+    assert torch.equal(loaded["w"], tensors["w"] + 1)
+    # ... and one of another size gets a new buffer.
+    write_safetensors(tmp_path, "bigger.safetensors", {**tensors, "more": torch.ones(8)})
+    _, other = read_tensors(tmp_path / "bigger.safetensors", buffer)
+    assert other is not buffer and len(other) != len(buffer)
 
 
 @pytest.mark.parametrize(

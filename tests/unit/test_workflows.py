@@ -112,3 +112,63 @@ def test_multi_turn_stops_when_right() -> None:
         multi_turn(_client(server), {"prompt_ids": [10], "answer": "42"}, max_turns=3)
     )
     assert traj.n_turns == 1 and traj.reward == 1.0 and len(server.calls) == 1
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """The builtin models' real byte-level BPE tokenizer and chat template (trained locally)."""
+    from areal_cli.models.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+class _BpeServer(_Server):
+    """The scripted server, answering in real token ids (answer then EOS)."""
+
+    def __init__(self, answers: list[str], tokenizer) -> None:
+        super().__init__(answers)
+        self.tokenizer = tokenizer
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True):
+        self.calls.append(list(input_ids))
+        text = self.answers[len(self.calls) - 1]
+        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        return {
+            "output_ids": ids,
+            "text": text,
+            "meta_info": {
+                "output_token_logprobs": [[-0.5, i, None] for i in ids],
+                "weight_version": "3",
+                "finish_reason": {"type": "stop", "matched": ids[-1]},
+            },
+        }
+
+
+def test_multi_turn_context_is_the_chat_template_rendering_with_a_real_tokenizer(
+    bpe_tokenizer,
+) -> None:
+    """The second turn's context is token for token what the chat template renders for
+    the whole conversation, so the model sees the format it was trained on."""
+    from areal_cli.rollout.workflows import FEEDBACK
+
+    def render(messages):
+        out = bpe_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    question = [{"role": "user", "content": "What is 3+4?"}]
+    server = _BpeServer(["8", "7"], bpe_tokenizer)
+    client = EpisodeClient(server, bpe_tokenizer, GenerationHyperparameters(), _Reward(), seed=1)
+    traj = asyncio.run(
+        multi_turn(client, {"prompt_ids": render(question), "answer": "7"}, max_turns=2)
+    )
+    conversation = question + [
+        {"role": "assistant", "content": "8"},
+        {"role": "user", "content": FEEDBACK},
+    ]
+    assert server.calls[1] == render(conversation)
+    assert traj.n_turns == 2 and traj.reward == pytest.approx(0.9)
+    answers = [t for t, m in zip(traj.input_ids, traj.loss_mask, strict=True) if m]
+    eos = bpe_tokenizer.eos_token_id
+    assert bpe_tokenizer.decode(answers) == bpe_tokenizer.decode(
+        [*bpe_tokenizer.encode("8"), eos, *bpe_tokenizer.encode("7"), eos]
+    )

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-BUILTIN_MODELS = ("tiny", "small", "tiny-arith")
+from areal_cli.config.schema import BUILTIN_MODELS
+
 BUILD_VERSION = "v1"  # bump when a builder changes what it builds, so caches are not reused
 
 
@@ -24,7 +26,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AREAL_CACHE_DIR") or Path.home() / ".cache" / "areal")
 
 
-def _build(name: str, seed: int, out: Path) -> None:
+def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] | None) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -35,24 +37,33 @@ def _build(name: str, seed: int, out: Path) -> None:
     torch.set_num_threads(1)
     try:
         if name == "tiny-arith":
-            from areal_cli.inference.demo_model import build_arith_demo_model
+            from areal_cli.models.demo_model import build_arith_demo_model
 
-            build_arith_demo_model(out, seed=seed)
+            if score is None:
+                raise ValueError(
+                    "builtin:tiny-arith needs `score`, the reward that grades its warm-up"
+                )
+            build_arith_demo_model(out, score, seed=seed)
         else:
-            from areal_cli.inference.tiny_model import build_tiny_model
+            from areal_cli.models.tiny_model import build_tiny_model
 
             build_tiny_model(out, preset=name, seed=seed)
     finally:
         torch.set_num_threads(threads)
 
 
-def materialize(name: str, seed: int, dest: Path) -> Path:
-    """Put builtin model `name` (for `seed`) at `dest`, building it into the cache first."""
+def materialize(
+    name: str, seed: int, dest: Path, score: Callable[[str, str], float] | None = None
+) -> Path:
+    """Put builtin model `name` (for `seed`) at `dest`, building it into the cache first.
+
+    `score(completion, answer)` grades the tiny-arith warm-up (its numbers go into
+    demo_model.json); callers pass the rollout's builtin numeric reward."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown builtin model {name!r}; choose from {', '.join(BUILTIN_MODELS)}")
     cached = cache_dir() / "models" / f"{name}-seed{seed}-{BUILD_VERSION}"
     if not (cached / "config.json").exists():
-        _build(name, seed, cached)
+        _build(name, seed, cached, score)
     if (dest / "config.json").exists():
         return dest
     tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from areal_cli.weights.handoff import FileRecord, Piece, Writeback, crc32
+from areal_cli.rundir.handoff import FileRecord, Piece, Writeback, crc32
 
 _DTYPES = {
     torch.float32: "F32",

@@ -1,7 +1,7 @@
 """The trainer's input: one rollout batch per step, stored as a handoff entry.
 
 `RUN/rollouts/step-N/` holds `batch.safetensors` with packed 1-D tensors plus a manifest
-(see areal_cli.weights.handoff for the write/read protocol). Sequences are stored in
+(see areal_cli.rundir.handoff for the write/read protocol). Sequences are stored in
 group order: `group_size` consecutive sequences share one prompt.
 
 Per token (length T = sum of seqlens), token-aligned like the losses module:
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from areal_cli.weights import handoff
+from areal_cli.rundir import handoff
 
 BATCH_FILE = "batch.safetensors"
 _TOKEN_KEYS = ("input_ids", "loss_mask", "logprobs", "versions")

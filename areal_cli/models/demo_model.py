@@ -30,15 +30,17 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_cli.config.schema import DatasetConfig
-from areal_cli.inference.tiny_model import build_tiny_model
-from areal_cli.rollout.data import format_prompt
-from areal_cli.rollout.rewards import numeric
+from areal_cli.models.tiny_model import build_tiny_model
+
+# Grades a completion against the reference answer (the recipe's reward, builtin:numeric,
+# given by the caller: models sit below rollout and do not import its rewards).
+Score = Callable[[str, str], float]
 
 INFO_FILE = "demo_model.json"
 MAX_SUM = 18  # largest answer of the task (9+9)
@@ -50,11 +52,11 @@ def problems() -> list[tuple[int, int]]:
 
 
 def prompt_ids(tokenizer, a: int, b: int) -> list[int]:
-    """The chat-formatted prompt, exactly as the rollout formats dataset rows."""
-    row = {"prompt": f"What is {a}+{b}?", "answer": str(a + b)}
-    ids = format_prompt(tokenizer, row, DatasetConfig(path="arith"))
-    assert ids is not None
-    return ids
+    """The chat-formatted prompt of a+b, as the rollout renders a dataset row with the
+    chat template and no system prompt (tests/inference/test_tiny_model.py checks that)."""
+    messages = [{"role": "user", "content": f"What is {a}+{b}?"}]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def answer_ids(tokenizer, value: int) -> list[int]:
@@ -187,18 +189,20 @@ def exact_probability(model, tokenizer) -> float:
     return float(seq.exp().mean())
 
 
-def evaluate(model, tokenizer, n_samples: int, max_new_tokens: int, seed: int) -> dict:
-    """Greedy and temperature-1 accuracy (builtin numeric reward) over all 100 problems."""
+def evaluate(
+    model, tokenizer, score: Score, n_samples: int, max_new_tokens: int, seed: int
+) -> dict:
+    """Greedy and temperature-1 accuracy (graded by `score`) over all 100 problems."""
     generator = torch.Generator().manual_seed(seed)
     pairs = problems()
     prompts = [prompt_ids(tokenizer, *p) for p in pairs]
     answers = [str(a + b) for a, b in pairs]
     greedy = sample(model, tokenizer, prompts, max_new_tokens, 0.0, generator)
     sampled = sample(model, tokenizer, prompts * n_samples, max_new_tokens, 1.0, generator)
-    greedy_acc = sum(numeric(c, a) for c, a in zip(greedy, answers, strict=True)) / len(pairs)
-    sampled_acc = sum(
-        numeric(c, a) for c, a in zip(sampled, answers * n_samples, strict=True)
-    ) / len(sampled)
+    greedy_acc = sum(score(c, a) for c, a in zip(greedy, answers, strict=True)) / len(pairs)
+    sampled_acc = sum(score(c, a) for c, a in zip(sampled, answers * n_samples, strict=True)) / len(
+        sampled
+    )
     return {
         "greedy_accuracy": greedy_acc,
         "sampled_accuracy": sampled_acc,
@@ -211,6 +215,7 @@ def evaluate(model, tokenizer, n_samples: int, max_new_tokens: int, seed: int) -
 
 def build_arith_demo_model(
     out_dir: Path,
+    score: Score,
     seed: int = 1,
     steps: int = 250,
     batch_size: int = 64,
@@ -231,7 +236,7 @@ def build_arith_demo_model(
         losses = warm_up(
             model, tokenizer, steps, batch_size, lr, smoothing, correct_frac, generator
         )
-        stats = evaluate(model, tokenizer, eval_samples, 6, seed + 1)
+        stats = evaluate(model, tokenizer, score, eval_samples, 6, seed + 1)
         staged = tmp / "model"
         model.save_pretrained(staged, safe_serialization=True)
         tokenizer.save_pretrained(staged)

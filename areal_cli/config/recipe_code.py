@@ -1,0 +1,86 @@
+"""Recipe-side Python: the one way a recipe's `module:function` is found and loaded.
+
+A recipe names its own code as `module:function` (reward.fn, rollout.workflow). The
+module is looked for first as a file beside the recipe (`module.py`, or `a/b.py` for
+`a.b`), then as an importable module. `find_module_file` only locates it (validation
+runs no recipe code); `load_module` executes it once per process under its own name
+(so pickling and dataclasses inside it work), with the recipe's folder appended to
+sys.path so that its helpers import. Appended, not prepended: a recipe folder must not
+shadow installed packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+class RecipeCodeError(ValueError):
+    """A recipe-side module that cannot be found or loaded."""
+
+
+def _beside(module: str, recipe_dir: Path | None) -> Path | None:
+    if recipe_dir is None:
+        return None
+    path = recipe_dir / (module.replace(".", "/") + ".py")
+    return path.resolve() if path.is_file() else None
+
+
+def find_module_file(module: str, recipe_dir: Path | None) -> Path | None:
+    """The file that `load_module` would load, or None; imports nothing of the recipe's."""
+    local = _beside(module, recipe_dir)
+    if local is not None:
+        return local
+    if module.split(".")[0] in sys.modules or "." not in module:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        return Path(spec.origin) if spec and spec.origin else None
+    return None
+
+
+def load_module(module: str, recipe_dir: Path | None) -> ModuleType:
+    """The module, loaded from a .py file beside the recipe if there is one, else imported."""
+    path = _beside(module, recipe_dir)
+    if path is None:
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            where = f"no {module}.py in {recipe_dir} and " if recipe_dir else ""
+            raise RecipeCodeError(f"{where}module {module!r} is not importable: {exc}") from exc
+    loaded = sys.modules.get(module)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(module, path)
+    if spec is None or spec.loader is None:
+        raise RecipeCodeError(f"cannot load {path} as a module")
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[module] = loaded  # before exec, so dataclasses and pickling inside it work
+    try:
+        spec.loader.exec_module(loaded)
+    except BaseException:
+        del sys.modules[module]
+        raise
+    return loaded
+
+
+def load_function(spec: str, recipe_dir: Path | None) -> object:
+    """The callable named by `module:function`; RecipeCodeError says what is missing."""
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise RecipeCodeError(f"{spec!r} is not module:function")
+    module = load_module(module_name, recipe_dir)
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise RecipeCodeError(
+            f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no function "
+            f"{name!r}; it defines: {', '.join(public) or 'nothing callable'}"
+        )
+    return fn

@@ -1,0 +1,177 @@
+"""The running batch's KV cache: preallocated per-layer slots, joined and left by rows.
+
+The running batch keeps its KV cache in preallocated per-layer buffers (`SlotLayer`):
+row i holds its `kv_len` tokens left-aligned, a decode step writes each row's new token at
+its own column, and a per-row attention mask plus explicit position ids keep rows apart.
+So a decode step never copies the cache, a join copies only the new rows, and a leave
+moves at most one row per hole.
+
+This is the one place that subclasses transformers' cache internals (`DynamicLayer`), so
+a transformers upgrade that changes them touches this file only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from areal_cli.inference.sampling import SeqState
+
+
+def cache_kwarg(model: Any) -> str:
+    """The forward kwarg of `model` that takes the cache; refuse non-uniform caches."""
+    layers = DynamicCache(config=model.config).layers
+    if not all(type(layer) is DynamicLayer for layer in layers):
+        raise NotImplementedError(
+            "models with sliding-window, linear-attention or hybrid caches are not supported"
+        )
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def row_index(index: torch.Tensor) -> torch.Tensor:
+    """0..len(index)-1 on index's device, for row-wise gathers."""
+    return torch.arange(index.shape[0], device=index.device)
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values in preallocated [rows, kv_heads, columns, head_dim] buffers.
+
+    Row i of the running batch keeps its `kv_len` cached tokens in columns [0, kv_len) and
+    a decode step writes the new token at column kv_len, so a step costs one scatter
+    instead of concatenating the whole cache. Attention reads columns [0, width); columns
+    past a row's own length hold stale values that the attention mask hides.
+    """
+
+    def __init__(self, batch: RunningBatch) -> None:
+        super().__init__()
+        self.batch = batch
+        self.is_initialized = True
+        self.key_buf: torch.Tensor | None = None
+        self.value_buf: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batch
+        n, width = len(batch.seqs), batch.past + 1
+        _, heads, columns, dim = self.key_buf.shape
+        # One flat index_copy_ per buffer: far cheaper than advanced-index assignment.
+        slots = batch.slots(heads, columns)
+        self.key_buf.view(-1, dim).index_copy_(0, slots, key_states.reshape(-1, dim))
+        self.value_buf.view(-1, dim).index_copy_(0, slots, value_states.reshape(-1, dim))
+        return self.key_buf[:n, :, :width], self.value_buf[:n, :, :width]
+
+    def get_seq_length(self) -> int:
+        return self.batch.past
+
+
+class RunningBatch:
+    """The decoding sequences and their shared slot cache (see `SlotLayer`).
+
+    Buffers grow by doubling (rows up to the batch cap, columns as sequences grow) and are
+    released when the batch empties. A sequence that leaves is replaced by a row moved
+    from the end, so removals copy only the moved rows.
+    """
+
+    def __init__(self, config: Any, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.seqs: list[SeqState] = []
+        self.cache = DynamicCache(config=config)
+        self.layers = [SlotLayer(self) for _ in self.cache.layers]
+        self.cache.layers = list(self.layers)
+        self.past = 0  # cached columns in use: the longest kv_len
+        self.columns = torch.zeros(0, dtype=torch.long)  # where each row writes this step
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+
+    def slots(self, heads: int, columns: int) -> torch.Tensor:
+        """Flat [row, head, column] offsets this step writes, row-major over (row, head)."""
+        key = (heads, columns)
+        if key not in self._slots:
+            rows = torch.arange(len(self.seqs), device=self.columns.device)
+            head = torch.arange(heads, device=self.columns.device)
+            offsets = (rows[:, None] * heads + head[None, :]) * columns + self.columns[:, None]
+            self._slots[key] = offsets.reshape(-1)
+        return self._slots[key]
+
+    def clear(self) -> None:
+        self.seqs = []
+        for layer in self.layers:
+            layer.key_buf = layer.value_buf = None
+
+    @torch.inference_mode()
+    def merge(self, seqs: list[SeqState], cache: DynamicCache, index: list[int]) -> None:
+        """Add freshly prefilled sequences: rows `index` of a prefill `cache`."""
+        first, width = len(self.seqs), cache.get_seq_length()
+        self.seqs.extend(seqs)
+        like = [layer.keys for layer in cache.layers]
+        self._reserve(len(self.seqs), max(s.kv_len for s in self.seqs) + 1, like)
+        pick = torch.tensor(index, device=self.layers[0].key_buf.device)
+        for layer, source in zip(self.layers, cache.layers, strict=True):
+            layer.key_buf[first : len(self.seqs), :, :width] = source.keys.index_select(0, pick)
+            layer.value_buf[first : len(self.seqs), :, :width] = source.values.index_select(0, pick)
+
+    @torch.inference_mode()
+    def keep(self, keep: list[bool]) -> None:
+        """Drop rows whose flag is False, filling the holes with rows from the end."""
+        n = sum(keep)
+        if n == len(self.seqs):
+            return
+        if n == 0:
+            self.clear()
+            return
+        holes = [i for i in range(n) if not keep[i]]
+        movers = [i for i in range(n, len(keep)) if keep[i]]
+        if holes:
+            width = max(self.seqs[i].kv_len for i in movers) + 1
+            device = self.layers[0].key_buf.device
+            dst, src = torch.tensor(holes, device=device), torch.tensor(movers, device=device)
+            for layer in self.layers:
+                for buf in (layer.key_buf, layer.value_buf):
+                    buf[dst, :, :width] = buf[src, :, :width]
+        seqs = self.seqs[:n]
+        for hole, mover in zip(holes, movers, strict=True):
+            seqs[hole] = self.seqs[mover]
+        self.seqs = seqs
+
+    def _reserve(self, rows: int, columns: int, like: list[torch.Tensor] | None = None) -> None:
+        """Make the buffers hold at least `rows` x `columns`, keeping their contents; `like`
+        gives each layer's heads, head size, dtype and device when nothing is allocated."""
+        buf = self.layers[0].key_buf
+        if buf is not None and buf.shape[0] >= rows and buf.shape[2] >= columns:
+            return
+        have_rows, have_cols = (0, 0) if buf is None else (buf.shape[0], buf.shape[2])
+        new_rows = min(self.max_rows, max(rows, 2 * have_rows, 4))
+        new_cols = max(columns, 2 * have_cols, 64)
+        like = like or [layer.key_buf for layer in self.layers]
+        for layer, ref in zip(self.layers, like, strict=True):
+            for name in ("key_buf", "value_buf"):
+                old = getattr(layer, name)
+                new = ref.new_zeros(new_rows, ref.shape[1], new_cols, ref.shape[3])
+                if old is not None:
+                    new[:have_rows, :, :have_cols] = old
+                setattr(layer, name, new)
+
+    @torch.inference_mode()
+    def decode_inputs(self, device: torch.device, sdpa: bool) -> dict[str, torch.Tensor]:
+        """Last tokens, true positions and the padding mask for one decode step. With SDPA
+        attention the mask is given ready-made ([rows, 1, 1, columns], True = attend), which
+        saves transformers building it every step."""
+        kv_lens = [s.kv_len for s in self.seqs]
+        lens = torch.tensor(kv_lens, device=device)
+        self.past = max(kv_lens)
+        self._reserve(len(self.seqs), self.past + 1)
+        self.columns = lens
+        self._slots.clear()
+        mask = torch.arange(self.past + 1, device=device)[None, :] <= lens[:, None]
+        return {
+            "input_ids": torch.tensor([s.output_ids[-1] for s in self.seqs], device=device)[
+                :, None
+            ],
+            "position_ids": lens[:, None],
+            "attention_mask": mask[:, None, None, :] if sdpa else mask.long(),
+        }

@@ -1,0 +1,144 @@
+"""Scheduler-side sequence state and token sampling.
+
+Logprob convention: for a sampled token the engine returns its log-probability under the
+temperature-scaled full softmax, `log_softmax(logits / T)`, taken before top-k/top-p
+truncation (truncation only restricts which tokens can be drawn). That is what a trainer
+recomputes from the same logits. Greedy requests (temperature 0) report `log_softmax(logits)`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
+
+
+@dataclass(eq=False)
+class SeqState:
+    """Scheduler-side state of one request."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    generator: torch.Generator | None
+    future: concurrent.futures.Future[GenerateOutput]
+    created: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_request(
+        cls,
+        request: GenerateRequest,
+        tokenizer: Any,
+        vocab_size: int,
+        context_length: int,
+        seed_rng: random.Random,
+    ) -> SeqState:
+        """Validate and tokenise a request; a request without a seed draws one from
+        `seed_rng`."""
+        if (request.input_ids is None) == (request.text is None):
+            raise ValueError("give exactly one of input_ids or text")
+        ids = request.input_ids
+        if ids is None:
+            ids = tokenizer(request.text)["input_ids"]
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+        if len(ids) >= context_length:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context length is {context_length}"
+            )
+        params = request.sampling_params
+        params.validate()
+        seed = params.sampling_seed
+        if seed is None:
+            seed = seed_rng.getrandbits(63)
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        future: concurrent.futures.Future[GenerateOutput] = concurrent.futures.Future()
+        # RUNNING futures cannot be cancelled, so only the scheduler ever resolves them.
+        future.set_running_or_notify_cancel()
+        return cls(
+            rid=request.rid or uuid.uuid4().hex,
+            prompt_ids=ids,
+            params=params,
+            return_logprob=request.return_logprob,
+            generator=generator,
+            future=future,
+        )
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens held in the KV cache: everything but the last sampled token."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def record(self, token: int, logprob: float, version: str) -> None:
+        """Append one sampled token and extend the weight-version spans."""
+        index = len(self.output_ids)
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if self.spans and self.spans[-1]["version"] == version:
+            self.spans[-1]["end"] = index + 1
+        else:
+            self.spans.append({"version": version, "start": index, "end": index + 1})
+
+
+def _truncation_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Boolean mask (vocab order) of tokens that survive top-k then top-p."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if 0 < top_k < probs.numel():
+        keep &= probs >= torch.topk(probs, top_k).values[-1]
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(torch.where(keep, probs, 0.0), descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+        # before it already does.
+        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= top_p
+        keep[order[drop]] = False
+    return keep
+
+
+def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
+    """Inverse-CDF sample of each row in vocabulary order, with one uniform draw from each
+    request's own RNG (so a request's tokens do not depend on its batch neighbours).
+
+    Vocabulary order (not probability order) keeps the draw stable under tiny float
+    differences between batched and solo runs.
+    """
+    probs = logprobs.exp()
+    vocab = probs.shape[-1]
+    for row, seq in enumerate(seqs):
+        top_k, top_p = seq.params.top_k, seq.params.top_p
+        if 0 < top_k < vocab or top_p < 1.0:
+            keep = _truncation_mask(probs[row], top_k, top_p)
+            probs[row] = torch.where(keep, probs[row], 0.0)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picks.clamp(max=vocab - 1)
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[SeqState]) -> list[tuple[int, float]]:
+    """Pick the next token and its logprob for each row of `logits` ([B, V], float32, CPU)."""
+    tokens = torch.argmax(logits, dim=-1)  # greedy picks, on the raw logits as HF does
+    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy and s.generator is not None]
+    if any(not s.params.greedy for s in seqs):
+        temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs])
+        logits = logits / temps[:, None]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if drawn:
+        tokens[drawn] = _draw(logprobs[drawn], [seqs[i] for i in drawn])
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    # One conversion per step: per-row .item() calls dominate small models.
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))

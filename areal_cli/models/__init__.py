@@ -1,0 +1,1 @@
+"""Builtin models (`model.path: builtin:NAME`), built locally from code; no download."""

@@ -1,0 +1,93 @@
+"""The run directory's layout: where a run lives, what it holds, how it starts and resumes.
+
+    FILEROOT/EXPERIMENT/TRIAL/
+      config.yaml  plan.json  metrics.jsonl  reward_curve.png
+      logs/ heartbeat/ rollouts/ weights/ checkpoints/ recover/ eval/  model/ (builtins)
+
+`prepare_run_dir` creates the tree and writes config.yaml and plan.json (each through a
+temp name and a rename); `trim_after` forgets what a resumed run will redo. Both only
+touch this run's own directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rundir import handoff
+
+RUN_SUBDIRS = ("logs", "heartbeat", "rollouts", "weights", "checkpoints", "recover", "eval")
+# Files of a model folder that travel with its weights (exports, conversions); the weights
+# themselves and any index or manifest are written anew.
+_MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+_NOT_MODEL_FILES = ("model.safetensors.index.json", handoff.MANIFEST)
+
+
+def run_dir_of(cfg: ExperimentConfig) -> Path:
+    """FILEROOT/EXPERIMENT/TRIAL, absolute."""
+    return (
+        Path(cfg.cluster.fileroot).expanduser() / cfg.experiment_name / cfg.trial_name
+    ).absolute()
+
+
+def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
+    """Where servers and trainer load the initial weights from (builtins are built in RUN/model)."""
+    if cfg.model.path.startswith("builtin:"):
+        return str(run_dir / "model")
+    return cfg.model.path
+
+
+def model_files_to_copy(model_dir: Path) -> list[Path]:
+    """Config, generation config and tokenizer files to ship beside exported weights."""
+    return [
+        p
+        for p in sorted(model_dir.iterdir())
+        if p.suffix in _MODEL_FILE_SUFFIXES and p.name not in _NOT_MODEL_FILES
+    ]
+
+
+def prepare_run_dir(
+    run_dir: Path, dirs: list[str], config_yaml: str, plan: dict[str, Any], resume: bool
+) -> int:
+    """Create the run tree and write config.yaml and plan.json; returns the first step.
+
+    A directory that already holds published weights is refused unless `resume` is set."""
+    started = (run_dir / "weights").is_dir() and any((run_dir / "weights").iterdir())
+    if started and not resume:
+        raise FileExistsError(
+            f"{run_dir} already holds a run; add --resume to continue it, or set another trial_name"
+        )
+    for directory in dirs:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    handoff.write_json_atomic(run_dir / "plan.json", plan)
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(config_yaml)
+    os.replace(tmp, run_dir / "config.yaml")
+    if not resume:
+        return 0
+    entry = handoff.latest(run_dir / "recover", "step-")
+    return entry.version + 1 if entry else 0
+
+
+def trim_after(run_dir: Path, last_step: int) -> None:
+    """Forget rollouts and metrics of steps after `last_step` (they will be redone)."""
+    for entry in handoff.list_entries(run_dir / "rollouts", "step-"):
+        if entry.version > last_step:
+            handoff.remove_entry(entry.path)
+    for entry in handoff.list_entries(run_dir / "weights", "v"):
+        if entry.version > last_step + 1:  # trained after the checkpoint: will be redone
+            handoff.remove_entry(entry.path)
+    for name in ("metrics.jsonl", "logs/trainer-metrics.jsonl"):
+        path = run_dir / name
+        if path.exists():
+            keep = [
+                line
+                for line in path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= last_step
+            ]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
