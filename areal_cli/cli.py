@@ -35,6 +35,7 @@ OVERRIDES = typer.Argument(
 )
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C (128 + SIGINT)
 
 
 def _fail(problems: list, context: str) -> None:
@@ -53,14 +54,16 @@ def _load_and_check(
     from areal_cli.config.loader import load_config
     from areal_cli.config.validate import check_config
 
+    invalid: frozenset[str] = frozenset()
     try:
         loaded = load_config(recipe, overrides or [])
         problems = []
     except ConfigErrors as exc:
-        if exc.partial is None:  # values are broken: cross-field checks would mislead
+        if exc.partial is None:  # no recipe at all
             _fail(exc.problems, f"in {recipe}")
-        loaded, problems = exc.partial, exc.problems
-    result = check_config(loaded, command=command, launch=launch)
+        loaded, problems, invalid = exc.partial, exc.problems, exc.invalid
+    # Cross-field checks run too, except those that read a key reported above.
+    result = check_config(loaded, command=command, launch=launch, invalid=invalid)
     for warning in result.warnings:
         typer.echo(f"warning: {warning.format()}", err=True)
     if problems or result.problems:
@@ -156,7 +159,7 @@ def _check_ports_free(processes: list, recipe: Path) -> None:
 def serve(
     model: str = typer.Argument(
         ...,
-        help="Model folder, or builtin:tiny / builtin:small.",
+        help="Model folder; or builtin:tiny-arith (the demo's warmed-up model), builtin:tiny or builtin:small (random weights, for tests and benchmarks).",
         show_default=False,
         metavar="MODEL",
     ),
@@ -171,7 +174,9 @@ def serve(
     ),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs (sglang only)."),
     model_cache: Path = typer.Option(
-        Path("~/.cache/areal/models"), help="Where builtin models are built."
+        None,
+        help="Where builtin models are built; default: $AREAL_CACHE_DIR (or ~/.cache/areal)/models.",
+        show_default=False,
     ),
     log: Path = typer.Option(
         None,
@@ -187,7 +192,9 @@ def serve(
         _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "sglang" and importlib.util.find_spec("sglang") is None:
         _die(SGLANG_MISSING)
-    path = _serve_model_path(model, model_cache.expanduser())
+    from areal_cli.models.builtin import cache_dir
+
+    path = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
     try:
         argv = server_argv(backend, path, host=host, port=port, api_key=api_key, dtype=dtype, tp=tp)
     except ValueError as exc:
@@ -195,8 +202,6 @@ def serve(
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     if not _port_free(host, port):
         _die(f"port {port} on {host} is already in use")
-    from areal_cli.models.builtin import cache_dir
-
     log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
     _run_in_foreground(argv, url, log, api_key, startup_timeout)
 
@@ -222,7 +227,7 @@ def _serve_model_path(model: str, cache: Path) -> str:
         return str(materialize(preset, seed, cache / f"{preset}-seed{seed}", numeric))
     path = Path(model).expanduser()
     if not path.is_dir():
-        _die(f"model folder {model} does not exist (give a folder or builtin:tiny/builtin:small)")
+        _die(f"model folder {model} does not exist (give a folder, or builtin:tiny-arith)")
     return str(path.resolve())
 
 
@@ -263,7 +268,7 @@ def _run_in_foreground(
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("stopped before the server was ready", err=True)
-        return
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     typer.echo(f"ready: {url} (Ctrl-C to stop)", err=True)
     try:
         server.proc.wait()
@@ -273,7 +278,7 @@ def _run_in_foreground(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         typer.echo("stopping the server", err=True)
         server.stop()
-        return
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     failure = server.failure(f"server exited with code {server.proc.returncode}")
     typer.echo(f"error: {failure}", err=True)
     raise typer.Exit(1)
@@ -282,10 +287,16 @@ def _run_in_foreground(
 @app.command("convert-checkpoint")
 def convert_checkpoint(
     src: Path = typer.Argument(
-        ..., help="DCP checkpoint (RUN/recover/step-N) or HF folder.", show_default=False
+        ...,
+        help="DCP checkpoint (RUN/recover/step-N) or HF folder.",
+        show_default=False,
+        metavar="SRC",
     ),
     dst: Path = typer.Argument(
-        ..., help="Output folder (must be empty unless --force).", show_default=False
+        ...,
+        help="Output folder (must be empty unless --force).",
+        show_default=False,
+        metavar="DST",
     ),
     to: str = typer.Option(None, "--to", help="hf or dcp; default: the other format."),
     dtype: str = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as stored)."),
@@ -412,8 +423,23 @@ class _EvalProgress:
             self.bar.stop()
 
 
+def _caches_in_areal_cache() -> None:
+    """Caches that libraries keep in /tmp or ~/.cache by default (torch's inductor, whose
+    folder even a model's construction creates; matplotlib's font list) go under
+    $AREAL_CACHE_DIR instead, for this process and every child it starts. A value the
+    user set is kept."""
+    import os
+
+    from areal_cli.models.builtin import cache_dir
+
+    root = cache_dir()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "torchinductor"))
+    os.environ.setdefault("MPLCONFIGDIR", str(root / "matplotlib"))
+
+
 def main() -> None:
     """Console-script entry point."""
+    _caches_in_areal_cache()
     app(prog_name="areal")
 
 

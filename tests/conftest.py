@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from areal_cli.models.builtin import cache_dir
+
 REPO = Path(__file__).resolve().parents[1]
+
+# Building a model with transformers makes torch create its inductor cache folder, by
+# default in /tmp; the test process keeps it in areal's cache, as the CLI does.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
 
 
 def run_areal(

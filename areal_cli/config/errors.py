@@ -45,9 +45,16 @@ class ConfigProblem:
 class ConfigErrors(Exception):
     """Raised with every problem found, after all checks have run."""
 
-    def __init__(self, problems: list[ConfigProblem], partial: Any = None):
+    def __init__(
+        self, problems: list[ConfigProblem], partial: Any = None, invalid: Any = frozenset()
+    ):
         self.problems = problems
-        self.partial = partial  # a LoadedConfig whose values are all intact, or None
+        # The LoadedConfig as far as it could be built (defaults where a value was
+        # unusable), or None when there is no recipe at all; `invalid` names the key paths
+        # whose values are wrong or missing ("" for all), so that cross-field checks that
+        # read them are skipped instead of reporting on a default.
+        self.partial = partial
+        self.invalid = frozenset(invalid)
         super().__init__("\n".join(p.format() for p in problems))
 
 

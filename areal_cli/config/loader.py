@@ -64,7 +64,7 @@ class _Collector:
 
     def __init__(self) -> None:
         self.problems: list[ConfigProblem] = []
-        self.values_intact = True  # False once a problem leaves a value unset or wrong
+        self.invalid: set[str] = set()  # keys whose value is wrong or missing ("" for all)
 
     def add(
         self,
@@ -77,7 +77,8 @@ class _Collector:
     ) -> None:
         """Record a problem; `harmless` ones (an ignored unknown key) leave every value intact."""
         self.problems.append(ConfigProblem(key, message, fix, where))
-        self.values_intact = self.values_intact and harmless
+        if not harmless:
+            self.invalid.add(key)
 
 
 # ---------------------------------------------------------------- reading YAML
@@ -551,9 +552,9 @@ def load_config(recipe: str | Path, overrides: list[str] | None = None) -> Loade
     """Read, compose, override, interpolate and type-check a recipe.
 
     Raises `ConfigErrors` listing every problem found; cross-field checks are in
-    `validate.check_config`. When the only problems are unknown keys (every value is
-    intact), the error carries the built config as `partial`, so callers can run the
-    cross-field checks too and report everything at once.
+    `validate.check_config`. The error carries the config as far as it could be built
+    (`partial`) and the keys whose values are unusable (`invalid`), so callers can run the
+    cross-field checks that do not read those keys and report everything at once.
     """
     out = _Collector()
     path = Path(recipe)
@@ -572,7 +573,7 @@ def load_config(recipe: str | Path, overrides: list[str] | None = None) -> Loade
     config = _build(ExperimentConfig, data, (), _BuildContext(locations, out))
     loaded = LoadedConfig(config, locations, path)
     if out.problems:
-        raise ConfigErrors(out.problems, partial=loaded if out.values_intact else None)
+        raise ConfigErrors(out.problems, partial=loaded, invalid=out.invalid)
     return loaded
 
 

@@ -48,10 +48,21 @@ class CheckResult:
 
 
 class _Checker:
-    def __init__(self, loaded: LoadedConfig):
+    def __init__(self, loaded: LoadedConfig, invalid: frozenset[str] = frozenset()):
         self.loaded = loaded
         self.cfg: ExperimentConfig = loaded.config
         self.result = CheckResult()
+        self.invalid = invalid
+
+    def valid(self, *keys: str) -> bool:
+        """Whether every key (and its section, and anything under it) has a usable value.
+        A rule reads only valid keys: on an invalid one it would judge a default value
+        and report a problem that is not there."""
+        for bad in self.invalid:
+            for key in keys:
+                if not bad or bad == key or key.startswith(bad + ".") or bad.startswith(key + "."):
+                    return False
+        return True
 
     def error(self, key: str, message: str, fix: str = "") -> None:
         self.result.problems.append(ConfigProblem(key, message, fix, self.loaded.where(key)))
@@ -61,26 +72,33 @@ class _Checker:
 
 
 def check_config(
-    loaded: LoadedConfig, *, command: str = "train", launch: bool = False
+    loaded: LoadedConfig,
+    *,
+    command: str = "train",
+    launch: bool = False,
+    invalid: frozenset[str] = frozenset(),
 ) -> CheckResult:
-    """Run every cross-field rule; `command` is train, eval or validate."""
-    c = _Checker(loaded)
+    """Run every cross-field rule; `command` is train, eval or validate. Rules that read a
+    key in `invalid` (already reported by the loader) are skipped."""
+    c = _Checker(loaded, invalid)
     _check_names(c)
-    mode = _check_allocation(c, command)
+    mode = _check_allocation(c, command) if c.valid("allocation_mode") else None
     c.result.allocation = mode
     if mode is not None:
         _check_devices(c, mode)
         if mode.train is not None:
             _check_batch(c, mode)
     _check_rollout(c)
-    _check_model(c, launch)
+    if c.valid("model"):
+        _check_model(c, launch)
     if command in ("train", "validate"):
-        _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
+        if c.valid("dataset"):
+            _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
         _check_callable(c, "reward.fn", c.cfg.reward.fn, BUILTIN_REWARDS)
         _check_callable(
             c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
         )
-    if command == "eval" or c.cfg.eval.dataset.path:
+    if (command == "eval" or c.cfg.eval.dataset.path) and c.valid("eval.dataset"):
         _check_dataset(
             c, "eval.dataset", c.cfg.eval.dataset.path, launch, required=command == "eval"
         )
@@ -99,6 +117,8 @@ def raise_on_problems(result: CheckResult) -> None:
 def _check_names(c: _Checker) -> None:
     for key in ("experiment_name", "trial_name"):
         value = getattr(c.cfg, key)
+        if not c.valid(key):
+            continue
         if not value:
             c.error(key, "is required (it names the run directory)", f"set {key}: my-run")
         elif not _NAME.match(value):
@@ -138,6 +158,8 @@ def _check_allocation(c: _Checker, command: str) -> AllocationMode | None:
 
 def _check_devices(c: _Checker, mode: AllocationMode) -> None:
     """Allocation against the declared cluster: GPUs on GPU clusters, cores on CPU ones."""
+    if not c.valid("cluster", "launcher.type", "actor.fsdp.offload_params"):
+        return
     cluster = c.cfg.cluster
     if c.cfg.launcher.type == "local" and cluster.n_nodes > 1:
         c.error(
@@ -196,6 +218,9 @@ def _check_devices(c: _Checker, mode: AllocationMode) -> None:
 
 
 def _check_batch(c: _Checker, mode: AllocationMode) -> None:
+    keys = ("rollout.batch_size", "rollout.group_size", "actor.ppo_n_minibatches", "actor.mb_spec")
+    if not c.valid(*keys):
+        return
     rollout, actor = c.cfg.rollout, c.cfg.actor
     dp = mode.train.data_parallel_size
     n = rollout.batch_size * rollout.group_size
@@ -222,28 +247,11 @@ def _gcd(a: int, b: int) -> int:
 
 
 def _check_rollout(c: _Checker) -> None:
-    rollout, actor = c.cfg.rollout, c.cfg.actor
-    if actor.adv_estimator in ("grpo", "dr_grpo", "rloo") and rollout.group_size < 2:
-        c.error(
-            "rollout.group_size",
-            f"{actor.adv_estimator} compares samples within a group; with group_size 1 every advantage is zero",
-            "set rollout.group_size >= 2",
-        )
-    cap = rollout.batch_size * (rollout.max_staleness + 1)
-    if rollout.max_concurrent_rollouts is not None and rollout.max_concurrent_rollouts > cap:
-        c.warn(
-            "rollout.max_concurrent_rollouts",
-            f"{rollout.max_concurrent_rollouts} exceeds batch_size x (max_staleness + 1) = {cap}; the staleness gate never lets more than that run",
-            f"set it <= {cap} or raise rollout.max_staleness",
-        )
-    if c.cfg.gconfig.temperature == 0 and rollout.group_size > 1:
-        c.warn(
-            "gconfig.temperature",
-            "greedy sampling gives every sample of a group the same answer, so advantages are zero",
-            "use a temperature such as 1.0",
-        )
-    higher = actor.eps_clip_higher
-    if higher is not None and higher < actor.eps_clip:
+    actor = c.cfg.actor
+    _check_rollout_sizes(c)
+    if not c.valid("actor.eps_clip", "actor.eps_clip_higher"):
+        pass
+    elif (higher := actor.eps_clip_higher) is not None and higher < actor.eps_clip:
         c.warn(
             "actor.eps_clip_higher",
             f"{higher} is below eps_clip {actor.eps_clip}; DAPO's clip-higher is meant to be larger",
@@ -251,19 +259,56 @@ def _check_rollout(c: _Checker) -> None:
         )
     context = c.cfg.inference.sglang.context_length
     total = c.cfg.dataset.max_prompt_len + c.cfg.gconfig.max_new_tokens
-    if context is not None and total > context:
+    keys = ("inference.sglang.context_length", "dataset.max_prompt_len", "gconfig.max_new_tokens")
+    if c.valid(*keys) and context is not None and total > context:
         c.error(
             "inference.sglang.context_length",
             f"{context} is shorter than dataset.max_prompt_len + gconfig.max_new_tokens = {total}",
             f"raise it to at least {total}",
         )
-    if c.cfg.launcher.trainer_port in range(
+    ports = ("launcher.trainer_port", "launcher.inference_base_port")
+    if c.valid(*ports) and c.cfg.launcher.trainer_port in range(
         c.cfg.launcher.inference_base_port, c.cfg.launcher.inference_base_port + 64
     ):
         c.error(
             "launcher.trainer_port",
             f"{c.cfg.launcher.trainer_port} collides with the inference server ports starting at {c.cfg.launcher.inference_base_port}",
             "pick a port outside that range",
+        )
+
+
+def _check_rollout_sizes(c: _Checker) -> None:
+    """Group size against the advantage estimator and sampling; concurrency against staleness."""
+    rollout, actor = c.cfg.rollout, c.cfg.actor
+    if not c.valid("rollout.group_size"):
+        return
+    if (
+        c.valid("actor.adv_estimator")
+        and actor.adv_estimator in ("grpo", "dr_grpo", "rloo")
+        and rollout.group_size < 2
+    ):
+        c.error(
+            "rollout.group_size",
+            f"{actor.adv_estimator} compares samples within a group; with group_size 1 every advantage is zero",
+            "set rollout.group_size >= 2",
+        )
+    cap = rollout.batch_size * (rollout.max_staleness + 1)
+    keys = ("rollout.batch_size", "rollout.max_staleness", "rollout.max_concurrent_rollouts")
+    if (
+        c.valid(*keys)
+        and rollout.max_concurrent_rollouts is not None
+        and rollout.max_concurrent_rollouts > cap
+    ):
+        c.warn(
+            "rollout.max_concurrent_rollouts",
+            f"{rollout.max_concurrent_rollouts} exceeds batch_size x (max_staleness + 1) = {cap}; the staleness gate never lets more than that run",
+            f"set it <= {cap} or raise rollout.max_staleness",
+        )
+    if c.valid("gconfig.temperature") and c.cfg.gconfig.temperature == 0 and rollout.group_size > 1:
+        c.warn(
+            "gconfig.temperature",
+            "greedy sampling gives every sample of a group the same answer, so advantages are zero",
+            "use a temperature such as 1.0",
         )
 
 
@@ -397,6 +442,8 @@ def _check_callable(
     c: _Checker, key: str, spec: str, builtins: tuple[str, ...], builtin_prefix: bool = True
 ) -> None:
     """`builtin:name` (or a bare builtin name) or `module:function` found beside the recipe."""
+    if not c.valid(key):
+        return
     if builtin_prefix and spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         if name not in builtins:
@@ -444,6 +491,8 @@ def _top_level_functions(source: Path) -> set[str]:
 
 
 def _check_eval(c: _Checker) -> None:
+    if not c.valid("eval.k", "eval.n_samples"):
+        return
     ev = c.cfg.eval
     for i, k in enumerate(ev.k):
         if k < 1 or k > ev.n_samples:
@@ -455,13 +504,13 @@ def _check_eval(c: _Checker) -> None:
 
 
 def _check_planned(c: _Checker) -> None:
-    if c.cfg.launcher.type != "local":
+    if c.valid("launcher.type") and c.cfg.launcher.type != "local":
         c.error(
             "launcher.type",
             f"the {c.cfg.launcher.type} launcher is planned but not available in this version",
             "use launcher.type: local",
         )
-    if c.cfg.actor.weight_update.method != "disk":
+    if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.method != "disk":
         c.error(
             "actor.weight_update.method",
             "nccl weight sync is planned but not available in this version",

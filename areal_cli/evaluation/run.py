@@ -3,10 +3,16 @@
 Setup: resolve the checkpoint (an HF folder; a run directory, meaning its newest
 weights/vN; or a DCP recover entry, converted into a temporary HF folder), start the
 recipe's inference servers on it, load the eval dataset.
+Identity: OUT/eval.json records a hash of the weights (from a handoff manifest, or the
+CRC-32 of the files) and of every setting that changes a sample (dataset, reward,
+sampling, n_samples, max_prompts, seed). The default OUT is named after the checkpoint
+and that key: RUN/eval/vN-KEY for a checkpoint of a run, FILEROOT/EXPERIMENT/eval/NAME-KEY
+for the initial model or a folder of no run (no run folder is created for those). An OUT
+that holds another model's or other settings' samples is refused (exit 2), never mixed.
 Loop: `eval.n_samples` samples per prompt, each with a seed derived from `eval.seed`, the
 prompt index and the sample index, so results do not depend on scheduling. Each finished
-sample is appended to OUT/samples.jsonl at once; a rerun into the same OUT skips the
-(prompt, sample) pairs already there.
+sample is appended to OUT/samples.jsonl at once; a rerun of the same eval into the same
+OUT skips the (prompt, sample) pairs already there.
 Cleanup: OUT/summary.json (n_prompts, mean_reward, accuracy, pass@k, timing), a table,
 and every server stopped. A sample counts as correct when its reward is >= 0.5.
 """
@@ -14,11 +20,13 @@ and every server stopped. A sample counts as correct when its reward is >= 0.5.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import shutil
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,51 +37,154 @@ from areal_cli.rundir import handoff
 from areal_cli.rundir.layout import run_dir_of
 
 CORRECT_AT = 0.5
+EVAL_FILE = "eval.json"  # the identity of the model and settings whose samples OUT holds
+SAMPLES_FILE = "samples.jsonl"
 
 
 class EvalInputError(ValueError):
     """A checkpoint or output folder that cannot be used (exit code 2)."""
 
 
-def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> tuple[Path, str]:
-    """An HF folder to serve, and a short name for it (used for the default OUT)."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """What an eval serves: an HF folder, a short name, the run it belongs to (if any)
+    and the folder whose content identifies the weights (a DCP entry for a conversion)."""
+
+    model_dir: Path
+    name: str
+    run_dir: Path | None
+    identity_source: Path
+
+
+def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Checkpoint:
+    """The HF folder to serve for `--checkpoint` (or the recipe's initial model)."""
     if checkpoint is None:
         if cfg.model.path.startswith("builtin:"):
-            from areal_cli.models.builtin import materialize
+            from areal_cli.models.builtin import build_cached
             from areal_cli.rollout.rewards import numeric
 
-            built = run_dir_of(cfg) / "model"
-            built.parent.mkdir(parents=True, exist_ok=True)
-            name = cfg.model.path.split(":", 1)[1]
-            return materialize(name, cfg.model.seed, built, numeric), "initial"
-        return Path(cfg.model.path), "initial"
+            # Served from the cache: an eval of the initial model creates no run folder.
+            built = build_cached(cfg.model.path.split(":", 1)[1], cfg.model.seed, numeric)
+            return Checkpoint(built, "initial", None, built)
+        path = Path(cfg.model.path)
+        return Checkpoint(path, "initial", None, path)
     if not checkpoint.exists():
         raise EvalInputError(f"checkpoint not found: {checkpoint}")
+    checkpoint = checkpoint.resolve()
     if (checkpoint / "config.json").is_file():
-        return checkpoint, checkpoint.name
+        return Checkpoint(checkpoint, checkpoint.name, run_dir_containing(checkpoint), checkpoint)
     if (checkpoint / "weights").is_dir():
         entry = handoff.latest(checkpoint / "weights", "v")
         if entry is None:
             raise EvalInputError(f"run directory {checkpoint} has no finished weights/vN yet")
-        return entry.path, entry.path.name
+        return Checkpoint(entry.path, entry.path.name, checkpoint, entry.path)
     from areal_cli.weights.convert import ConvertError, convert, detect
 
+    not_a_checkpoint = (
+        f"{checkpoint} is not a checkpoint: give an HF folder (with config.json), a run "
+        "directory (with weights/) or a DCP checkpoint (RUN/recover/step-N)"
+    )
     try:
-        if detect(checkpoint).kind == "dcp":
-            out = scratch / "converted"
-            convert(
-                checkpoint,
-                out,
-                to="hf",
-                dtype=None,
-                max_shard_size="100GB",
-                force=True,
-                model_config=None,
-            )
-            return out, checkpoint.name
+        if detect(checkpoint).kind != "dcp":
+            raise EvalInputError(not_a_checkpoint)
+        out = scratch / "converted"
+        convert(
+            checkpoint,
+            out,
+            to="hf",
+            dtype=None,
+            max_shard_size="100GB",
+            force=True,
+            model_config=None,
+        )
     except ConvertError as exc:
-        raise EvalInputError(str(exc)) from exc
-    raise EvalInputError(f"{checkpoint} is not an HF folder, a run directory or a DCP checkpoint")
+        raise EvalInputError(f"{not_a_checkpoint} ({exc})") from exc
+    return Checkpoint(out, checkpoint.name, run_dir_containing(checkpoint), checkpoint)
+
+
+def run_dir_containing(path: Path) -> Path | None:
+    """The run directory (it holds config.yaml and plan.json) that `path` lies in, if any:
+    RUN/weights/vN, RUN/checkpoints/step-N and RUN/recover/step-N belong to RUN."""
+    for parent in list(path.parents)[:3]:
+        if (parent / "config.yaml").is_file() and (parent / "plan.json").is_file():
+            return parent
+    return None
+
+
+# ------------------------------------------------------------------ what was evaluated
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def model_fingerprint(folder: Path) -> str:
+    """A hash of the weights' content. A handoff entry (weights/vN, recover/step-N) has
+    the CRC-32 of every file in its manifest; for any other folder the CRC-32 of its
+    weights files and config.json is computed (ISA-L: about a second per few GB)."""
+    if (folder / handoff.MANIFEST).is_file():
+        files = handoff.read_entry(folder).manifest["files"]
+        items = sorted((f["name"], f["size"], f["crc32"]) for f in files)
+    else:
+        names = sorted(
+            p.name
+            for p in folder.iterdir()
+            if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"
+        )
+        records = [handoff.record_file(folder, n) for n in names]
+        items = [(r.name, r.size, r.crc32) for r in records]
+    if not items:
+        raise EvalInputError(f"{folder} holds no weights files")
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def eval_identity(cfg: Any, checkpoint: Checkpoint) -> dict[str, Any]:
+    """What makes two evals' samples interchangeable: the weights and every setting that
+    changes a sample or its score. Its `key` names the default output folder."""
+    ev = cfg.eval
+    settings = {
+        "dataset": dataclasses.asdict(ev.dataset),
+        "reward": dataclasses.asdict(ev.reward),
+        "sampling": ev.gconfig.sampling_params(),
+        "n_samples": ev.n_samples,
+        "max_prompts": ev.max_prompts,
+        "seed": ev.seed,
+        "tokenizer_path": cfg.model.tokenizer_path,
+    }
+    model = model_fingerprint(checkpoint.identity_source)
+    key = hashlib.sha256(json.dumps([model, settings], sort_keys=True).encode()).hexdigest()
+    return {
+        "key": key[:12],
+        "model": model,
+        "source": str(checkpoint.identity_source),
+        "settings": settings,
+    }
+
+
+def default_out(cfg: Any, checkpoint: Checkpoint, key: str) -> Path:
+    """RUN/eval/NAME-KEY for a checkpoint of a run; FILEROOT/EXPERIMENT/eval/NAME-KEY for
+    the initial model or a folder of no run (no run folder is created for it)."""
+    base = checkpoint.run_dir or run_dir_of(cfg).parent
+    return base / "eval" / f"{checkpoint.name}-{key}"
+
+
+def claim_out(out: Path, identity: dict[str, Any]) -> None:
+    """Make OUT this eval's, or refuse (exit 2) when it holds another eval's samples."""
+    marker = out / EVAL_FILE
+    if marker.is_file():
+        theirs = json.loads(marker.read_text())
+        if theirs.get("key") == identity["key"]:
+            return
+        what = "model" if theirs.get("model") != identity["model"] else "eval settings"
+        raise EvalInputError(
+            f"{out} holds samples of another {what} ({theirs.get('source')}); they cannot be "
+            "mixed with this eval's: give another --out, or delete that folder"
+        )
+    if (out / SAMPLES_FILE).exists():
+        raise EvalInputError(
+            f"{out} holds samples of an unknown model (no {EVAL_FILE}); give another --out, "
+            "or delete that folder"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    handoff.write_json_atomic(marker, identity)
 
 
 def eval_plan(plan: LaunchPlan, model_dir: Path, out: Path) -> LaunchPlan:
@@ -84,6 +195,9 @@ def eval_plan(plan: LaunchPlan, model_dir: Path, out: Path) -> LaunchPlan:
             continue
         argv = list(proc.argv)
         argv[argv.index("--model-path") + 1] = str(model_dir)
+        if "--watch-weights" in argv:  # no weights are published in an eval: watch no run
+            at = argv.index("--watch-weights")
+            del argv[at : at + 2]
         servers.append(replace(proc, argv=argv, log=str(out / "logs" / f"{proc.name}.log")))
     return replace(plan, processes=servers)
 
@@ -119,7 +233,7 @@ async def _score_all(
         logs={a: p.log for a, p in zip(addresses, plan.processes, strict=True)},
     )
     rewards = RewardPool.from_config(ev.reward, loaded.recipe.resolve().parent)
-    samples_file = out / "samples.jsonl"
+    samples_file = out / SAMPLES_FILE
     done = _done_samples(samples_file)
     try:
         await client.wait_healthy(cfg.launcher.startup_timeout_s, on_poll=lambda _: runner.check())
@@ -195,16 +309,18 @@ def run_eval(
     scratch = Path(tempfile.mkdtemp(prefix="areal-eval-"))
     runner = LocalRunner()
     try:
-        model_dir, name = resolve_checkpoint(cfg, checkpoint, scratch)
-        out = out or run_dir_of(cfg) / "eval" / name
-        out.mkdir(parents=True, exist_ok=True)
-        served = eval_plan(plan, model_dir, out)
+        chosen = resolve_checkpoint(cfg, checkpoint, scratch)
+        identity = eval_identity(cfg, chosen)
+        out = out or default_out(cfg, chosen, identity["key"])
+        claim_out(out, identity)
+        served = eval_plan(plan, chosen.model_dir, out)
         start = time.perf_counter()
         for spec in served.processes:
             runner.start(spec)
         rows = asyncio.run(_score_all(cfg, loaded, served, runner, out, progress))
         summary = summarize_rows(rows, cfg.eval.k, time.perf_counter() - start)
-        summary["checkpoint"] = str(model_dir if checkpoint is None else checkpoint)
+        summary["checkpoint"] = str(chosen.model_dir if checkpoint is None else checkpoint)
+        summary["model_fingerprint"] = identity["model"]
         handoff.write_json_atomic(out / "summary.json", summary)
         summary["out"] = str(out)
         return summary

@@ -222,6 +222,10 @@ def _trainer_process(
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
+        # torchrun's own per-attempt folders go into the run, not into a /tmp/torchelastic_*
+        # that nobody removes
+        "--log-dir",
+        str(run_dir / "logs" / "torchrun"),
         "-m",
         "areal_cli.trainer.main",
         "--config",

@@ -10,6 +10,7 @@ not disabled.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -204,21 +205,25 @@ def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
 
 
 def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
-    """RUN/reward_curve.png: mean reward (with its std band) per step."""
+    """RUN/reward_curve.png: mean reward per step (numbered from 1, as the console counts),
+    with its std band clipped to the rewards actually seen (a 0/1 reward never shows a
+    band above 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] for h in history]
+    steps = [h["step"] + 1 for h in history]
     mean = [h.get("reward_mean", float("nan")) for h in history]
     std = [h.get("reward_std", 0.0) for h in history]
+    low = min((h["reward_min"] for h in history if "reward_min" in h), default=-math.inf)
+    high = max((h["reward_max"] for h in history if "reward_max" in h), default=math.inf)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, mean, marker="o", markersize=3, label="mean reward")
     ax.fill_between(
         steps,
-        [m - s for m, s in zip(mean, std, strict=True)],
-        [m + s for m, s in zip(mean, std, strict=True)],
+        [max(m - s, low) for m, s in zip(mean, std, strict=True)],
+        [min(m + s, high) for m, s in zip(mean, std, strict=True)],
         alpha=0.2,
     )
     ax.set_xlabel("trainer step")

@@ -52,6 +52,17 @@ def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] |
         torch.set_num_threads(threads)
 
 
+def build_cached(name: str, seed: int, score: Callable[[str, str], float] | None = None) -> Path:
+    """The cache folder of builtin model `name` for `seed`, built there on first use
+    (`score` as for `materialize`). Serve it from there; do not write into it."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; choose from {', '.join(BUILTIN_MODELS)}")
+    cached = cache_dir() / "models" / f"{name}-seed{seed}-{BUILD_VERSION}"
+    if not (cached / "config.json").exists():
+        _build(name, seed, cached, score)
+    return cached
+
+
 def materialize(
     name: str, seed: int, dest: Path, score: Callable[[str, str], float] | None = None
 ) -> Path:
@@ -59,11 +70,7 @@ def materialize(
 
     `score(completion, answer)` grades the tiny-arith warm-up (its numbers go into
     demo_model.json); callers pass the rollout's builtin numeric reward."""
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"unknown builtin model {name!r}; choose from {', '.join(BUILTIN_MODELS)}")
-    cached = cache_dir() / "models" / f"{name}-seed{seed}-{BUILD_VERSION}"
-    if not (cached / "config.json").exists():
-        _build(name, seed, cached, score)
+    cached = build_cached(name, seed, score)
     if (dest / "config.json").exists():
         return dest
     tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"

@@ -254,6 +254,8 @@ def write_rollout_batch(
     stats = {
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
+        "reward_min": min(rewards),
+        "reward_max": max(rewards),
         "staleness_mean": statistics.fmean(staleness),
         "staleness_max": float(max(staleness)),
         "gen_tokens": float(generated),

@@ -59,7 +59,9 @@ def _load_file(path: str, kind: str) -> Any:
     from datasets import load_dataset
 
     try:
-        return load_dataset(_BUILDERS[kind], data_files=str(path), split="train")
+        return load_dataset(
+            _BUILDERS[kind], data_files=str(path), split="train", cache_dir=_datasets_cache()
+        )
     except Exception as exc:  # datasets raises many types for malformed files
         raise DatasetError(f"cannot read {kind} dataset {path}: {_first_line(exc)}") from exc
 
@@ -69,12 +71,20 @@ def _load_hub(cfg: DatasetConfig) -> Any:
     from datasets import load_dataset
 
     try:
-        return load_dataset(cfg.path, split=cfg.split)
+        return load_dataset(cfg.path, split=cfg.split, cache_dir=_datasets_cache())
     except Exception as exc:
         raise DatasetError(
             f"cannot load Hub dataset {cfg.path!r} (split {cfg.split!r}): {_first_line(exc)}; "
             "download it first (hf download --repo-type dataset NAME) or give a .jsonl/.parquet file"
         ) from exc
+
+
+def _datasets_cache() -> str:
+    """`datasets` keeps the Arrow copies it makes of a dataset under AREAL_CACHE_DIR, not
+    under the user's ~/.cache/huggingface (Hub downloads stay in the Hugging Face cache)."""
+    from areal_cli.models.builtin import cache_dir
+
+    return str(cache_dir() / "datasets")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -103,11 +106,17 @@ def write_config(path: Path, model: Path, fileroot: Path, **overrides: object) -
     return path
 
 
+# torchrun makes a folder per launch for its logs (in /tmp when not told where, and never
+# removes it): the tests give it this one, removed when the session ends.
+_TORCHRUN_LOGS = tempfile.mkdtemp(prefix="areal-tests-torchrun-")
+atexit.register(shutil.rmtree, _TORCHRUN_LOGS, True)
+
+
 def torchrun_argv(nproc: int, *target: str) -> list[str]:
     """`torchrun ... TARGET` (a script, or -m module) with `nproc` ranks on a free port."""
     return [
         TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *target,
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--log-dir", _TORCHRUN_LOGS, *target,
     ]  # fmt: skip
 
 

@@ -261,6 +261,26 @@ CASES = [
         ["gconfig.top_k=-5"],
         ["bogus: unknown key", "rollout.batch_size: must be >= 1", "gconfig.top_k: must be >= -1"],
     ),
+    (
+        # A value error and a cross-field error of other keys: both in one pass.
+        "range-and-cross-field-at-once",
+        None,
+        ["rollout.batch_size=3", "rollout.group_size=3", "actor.optimizer.lr=-1"],
+        ["actor.optimizer.lr: must be > 0", "9 samples cannot be split evenly"],
+    ),
+    (
+        # Cross-field rules that read a broken key are skipped (they would judge a
+        # default), the others still run: the batch split is not reported on group_size
+        # 'abc', the port clash is.
+        "broken-value-skips-only-its-rules",
+        BASE + "launcher:\n  trainer_port: 30001\n",
+        ["rollout.group_size=abc", "rollout.batch_size=3", "launcher.type=slurmm"],
+        [
+            "rollout.group_size: expected an integer",
+            "launcher.type: 'slurmm' is not one of",
+            "launcher.trainer_port: 30001 collides",
+        ],
+    ),
 ]
 
 

@@ -27,6 +27,13 @@ def test_train_help_is_frozen() -> None:
         assert option in result.stdout
 
 
+def test_convert_checkpoint_usage_names_its_arguments() -> None:
+    result = run_areal("convert-checkpoint", "--help")
+    usage = next(line for line in result.stdout.splitlines() if "Usage:" in line)
+    # Typer marks required arguments with braces, as in `{RECIPE.yaml}` of `train`.
+    assert "{SRC} {DST}" in usage, usage
+
+
 def test_cli_import_does_not_pull_heavy_modules() -> None:
     code = (
         "import sys\n"

@@ -59,7 +59,8 @@ def test_gpu_plan_uses_disjoint_gpus_and_real_commands() -> None:
         "--rdzv-endpoint",
         "127.0.0.1:29500",
     ]
-    assert trainer.argv[9:11] == ["-m", "areal_cli.trainer.main"]
+    assert trainer.argv[9:11] == ["--log-dir", f"{plan.run_dir}/logs/torchrun"]  # not /tmp
+    assert trainer.argv[11:13] == ["-m", "areal_cli.trainer.main"]
     assert plan.run_dir.endswith("gsm8k-grpo/trial0")
 
 
