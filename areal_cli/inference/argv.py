@@ -60,6 +60,11 @@ def server_argv(
     return [python, "-m", "areal_cli.inference.server", *args]
 
 
+def _where(model: str, host: str, port: int) -> list[str]:
+    """The flags both servers share: what to serve and where to listen."""
+    return ["--model-path", model, "--host", host, "--port", str(port)]
+
+
 def sglang_args(
     cfg: ExperimentConfig,
     mode: AllocationMode,
@@ -73,12 +78,7 @@ def sglang_args(
     s = cfg.inference.sglang
     strategy = mode.inference
     args = [
-        "--model-path",
-        model,
-        "--host",
-        host,
-        "--port",
-        str(port),
+        *_where(model, host, port),
         "--tp-size",
         str(strategy.tensor_parallel_size),
         "--pp-size",
@@ -132,12 +132,7 @@ def embedded_args(
     e = cfg.inference.embedded
     device = e.device if e.device != "auto" else device_type
     args = [
-        "--model-path",
-        model,
-        "--host",
-        host,
-        "--port",
-        str(port),
+        *_where(model, host, port),
         "--dtype",
         e.dtype,
         "--weight-version",
