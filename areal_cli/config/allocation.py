@@ -6,7 +6,8 @@
 
 Examples: `sglang:d4t1+fsdp:d4`, `embedded:d1+fsdp:d2`, `sglang:d2t2`. Inference backends
 are embedded, sglang and vllm; the training backend is fsdp. Inference `d` counts server
-processes (replicas); `t`/`p` are GPUs inside one server. Trainer `d` counts FSDP ranks.
+processes (replicas); `t`/`p` are GPUs inside one server. Trainer `d` counts FSDP ranks
+and `t` the tensor-parallel ranks of each (`fsdp:d2t2` is 4 ranks).
 """
 
 from __future__ import annotations
@@ -128,13 +129,8 @@ def _check_supported(mode: AllocationMode) -> None:
             )
         if train.context_parallel_size > 1:
             raise AllocationError(
-                "fsdp context parallelism (c>1) is not supported: the trainer has no ring attention to split sequences across ranks",
-                "use fsdp:dN and bound sequence length with actor.mb_spec.max_tokens_per_mb",
-            )
-        if train.tensor_parallel_size > 1:
-            raise AllocationError(
-                "fsdp tensor parallelism (t>1) is not supported yet: the trainer shards parameters across data-parallel ranks only",
-                "use fsdp:dN, which shards the model over N ranks",
+                "fsdp context parallelism (c>1) is not supported yet: the trainer does not split sequences across ranks",
+                "use fsdp:dN or fsdp:dNtM, and bound sequence length with actor.mb_spec.max_tokens_per_mb",
             )
     inference = mode.inference
     if inference is None:

@@ -32,6 +32,16 @@ def torch_dtype(name: str) -> Any:
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # model.path: builtin:NAME (areal_cli.models)
+# What validation needs to know of them before they are built: model_type and the
+# attention and key/value head counts (tests/inference/test_tiny_model.py checks these
+# against the presets).
+BUILTIN_ARCHITECTURES = {
+    "tiny": ("llama", 4, 2),
+    "small": ("llama", 8, 4),
+    "tiny-arith": ("llama", 4, 2),
+}
+# Architectures with a tensor-parallel plan in the trainer, by config.json's model_type.
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass

@@ -19,7 +19,12 @@ from areal_cli.config.allocation import AllocationError, AllocationMode, parse_a
 from areal_cli.config.errors import ConfigErrors, ConfigProblem
 from areal_cli.config.loader import LoadedConfig, is_hub_id
 from areal_cli.config.recipe_code import find_module_file
-from areal_cli.config.schema import BUILTIN_MODELS, ExperimentConfig
+from areal_cli.config.schema import (
+    BUILTIN_ARCHITECTURES,
+    BUILTIN_MODELS,
+    TP_MODEL_TYPES,
+    ExperimentConfig,
+)
 
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
@@ -91,6 +96,8 @@ def check_config(
     _check_rollout(c)
     if c.valid("model"):
         _check_model(c, launch)
+        if mode is not None and mode.train is not None and c.valid("allocation_mode"):
+            _check_tensor_parallel(c, mode)
     if command in ("train", "validate"):
         if c.valid("dataset"):
             _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
@@ -310,6 +317,51 @@ def _check_rollout_sizes(c: _Checker) -> None:
             "greedy sampling gives every sample of a group the same answer, so advantages are zero",
             "use a temperature such as 1.0",
         )
+
+
+def tensor_parallel_problem(config: dict, tp: int) -> str:
+    """Why a model (its config.json as a dict) cannot be split over `tp` ranks, or ''."""
+    if tp == 1:
+        return ""
+    model_type = config.get("model_type", "?")
+    if model_type not in TP_MODEL_TYPES:
+        return (
+            f"the trainer has no tensor-parallel plan for model_type '{model_type}' "
+            f"(supported: {', '.join(TP_MODEL_TYPES)})"
+        )
+    heads = config.get("num_attention_heads", 0)
+    kv_heads = config.get("num_key_value_heads") or heads
+    if heads % tp or kv_heads % tp:
+        return f"t{tp} does not divide the model's {heads} attention and {kv_heads} key/value heads"
+    return ""
+
+
+def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
+    """A trainer t > 1 needs a plan for the architecture and heads that t divides."""
+    tp = mode.train.tensor_parallel_size
+    if tp == 1 or not c.valid("model.path"):
+        return
+    path = c.cfg.model.path
+    if path.startswith("builtin:"):
+        arch = BUILTIN_ARCHITECTURES.get(path.split(":", 1)[1])
+        config = (
+            dict(
+                zip(("model_type", "num_attention_heads", "num_key_value_heads"), arch, strict=True)
+            )
+            if arch
+            else None
+        )
+    else:
+        config_file = Path(path) / "config.json"
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else None
+        except (OSError, ValueError):
+            config = None
+    if config is None:
+        return  # reported by _check_model, or a plan for a model not on this machine
+    problem = tensor_parallel_problem(config, tp)
+    if problem:
+        c.error("allocation_mode", problem, "use t=1, or a t that divides the head counts")
 
 
 def _check_model(c: _Checker, launch: bool) -> None:

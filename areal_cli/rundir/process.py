@@ -20,3 +20,15 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
         pass
+
+
+def exit_without_teardown(code: int = 0) -> None:
+    """Flush and end the process now, skipping process-group and interpreter teardown:
+    gloo's background threads can abort a process there ("terminate called without an
+    active exception"), turning a finished rank into a failed one. Call it only once
+    every output is written and every rank has passed a final barrier."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

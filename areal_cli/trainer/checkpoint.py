@@ -13,6 +13,7 @@ tokenizer files and one `model.safetensors`, which every rank writes its shards 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import math
 import time
@@ -25,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from areal_cli.rundir import handoff
 
@@ -116,9 +116,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# How `export_hf` writes one tensor: this rank's rows at an offset, the whole plain tensor
-# (rank 0), the gathered `full_tensor()` (collective; rank 0 writes), or nothing here.
-_ROWS, _WHOLE, _FULL, _NONE = "rows", "whole", "full", "none"
+# How `export_hf` writes one piece: bytes this rank holds, at their offset in the file;
+# or the gathered `full_tensor()` (collective; rank 0 writes), for layouts that hold no
+# block of their own (a Partial placement).
+_RUN, _FULL = "run", "full"
 
 
 @dataclass(frozen=True)
@@ -146,30 +147,65 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tuple((name, getattr(t, "_local_tensor", t).data_ptr()) for name, t in named)
 
 
+def _runs(
+    local: torch.Tensor, shape: tuple, offset: tuple, full: tuple
+) -> list[tuple[int, torch.Tensor]]:
+    """The contiguous pieces of a block `local` (of `shape`, at element `offset` of a
+    row-major tensor of shape `full`): (element offset in the full tensor, 1-D view).
+    A block of whole rows is one piece; a block of some columns is one piece per row."""
+    if math.prod(shape) == 0:
+        return []
+    flat = local.reshape(-1)
+    partial = [d for d in range(len(shape)) if shape[d] != full[d]]
+    if not partial:
+        return [(0, flat)]
+    j = partial[-1]  # dims after j are whole, so one run spans dims j..
+    strides = [math.prod(full[d + 1 :]) for d in range(len(full))]
+    local_strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    length = shape[j] * local_strides[j]
+    runs = []
+    for index in itertools.product(*(range(n) for n in shape[:j])):
+        start = sum((offset[d] + index[d]) * strides[d] for d in range(j))
+        start += offset[j] * strides[j]
+        at = sum(index[d] * local_strides[d] for d in range(j))
+        runs.append((start, flat[at : at + length]))
+    return runs
+
+
 def _build_plan(model: nn.Module, fingerprint: tuple) -> _ExportPlan:
-    """FSDP2 shards every parameter along dim 0 in `torch.chunk` pieces, and the rows of a
-    row-major tensor are contiguous bytes, so each rank can write its own rows straight
-    into the exported file. Anything else is written whole by rank 0."""
+    """Each rank writes the block of every parameter it holds straight into the exported
+    file, whatever the layout: FSDP2 rows (Shard(0), even uneven), tensor-parallel
+    columns or rows, or both at once. Of the copies of a block, only the primary one is
+    written (`step.is_primary_block`), so the blocks tile every tensor once; plain
+    tensors are written whole by rank 0. The choice depends on meshes and placements
+    only, which every rank sees alike, so every rank walks the same collectives."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     from areal_cli.rundir.safetensors_io import layout, tensor_bytes
+    from areal_cli.trainer.step import is_primary_block
 
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     items = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
     header, starts, size = layout(tuple((k, v.dtype, tuple(v.shape)) for k, v in items))
-    writes = []
+    writes: list[tuple[torch.Tensor | memoryview, str, int]] = []
     for name, value in items:
-        how, offset = (_WHOLE if dist.get_rank() == 0 else _NONE), starts[name]
-        if hasattr(value, "to_local"):
-            how = _FULL
-            mesh, placements, local = value.device_mesh, value.placements, value.to_local()
-            if mesh.ndim == 1 and tuple(placements) == (Shard(0),):
-                rows, chunk = value.shape[0], -(-value.shape[0] // mesh.size())
-                start = min(mesh.get_local_rank() * chunk, rows)
-                if local.shape[0] == min(start + chunk, rows) - start:
-                    how, value = (_ROWS if local.shape[0] else _NONE), local
-                    offset += start * math.prod(value.shape[1:]) * value.element_size()
-        if how in (_ROWS, _WHOLE) and value.device.type == "cpu" and value.is_contiguous():
-            value = tensor_bytes(value)  # a view of the parameter's memory: reused every step
-        writes.append((value, how, offset))
+        placements = tuple(getattr(value, "placements", ()))
+        if any(p.is_partial() for p in placements):
+            writes.append((value, _FULL, starts[name]))
+            continue
+        if not is_primary_block(value):
+            continue  # another rank writes the same block
+        if not placements:
+            runs = [(0, value.reshape(-1))]
+        else:
+            mesh = value.device_mesh
+            shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+            runs = _runs(value.to_local(), tuple(shape), tuple(offset), tuple(value.shape))
+        for at, run in runs:
+            source: torch.Tensor | memoryview = run
+            if run.device.type == "cpu" and run.is_contiguous():
+                source = tensor_bytes(run)  # a view of the parameter's memory: reused every step
+            writes.append((source, _RUN, starts[name] + at * value.element_size()))
     return _ExportPlan(fingerprint, header, size, tuple(writes))
 
 
@@ -251,7 +287,7 @@ def export_hf(
                     full = tensor.full_tensor()
                     if rank == 0:
                         writer.write(offset, full)
-                elif how != _NONE:
+                else:
                     writer.write(offset, tensor)
         if rank == 0:  # meanwhile the kernel is writing the shards out
             links = [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]

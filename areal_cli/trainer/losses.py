@@ -18,7 +18,7 @@ Tensor conventions
 """
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -300,11 +300,60 @@ def aggregate_loss(
 # ----------------------------------------------------------------------------- logits
 
 
+class VocabShard(NamedTuple):
+    """Logits split over the vocabulary (a tensor-parallel LM head): this rank holds
+    columns `start .. start + width` of them, and `group` holds the other columns."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    start: int
+
+
+class _SumOverShards(torch.autograd.Function):
+    """All-reduce SUM whose backward passes the gradient through unchanged: every rank of
+    the group computes the same loss from the sum, so each shard's gradient is its own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _logsumexp(z: torch.Tensor, vocab: VocabShard | None) -> torch.Tensor:
+    """logsumexp over the last dim, across the vocabulary shards when split."""
+    if vocab is None:
+        return torch.logsumexp(z, dim=-1)
+    import torch.distributed as dist
+
+    top = z.detach().amax(dim=-1)  # a shift for stability: any value works, so no gradient
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=vocab.group)
+    total = _SumOverShards.apply(torch.exp(z - top.unsqueeze(-1)).sum(dim=-1), vocab.group)
+    return torch.log(total) + top
+
+
+def _pick(z: torch.Tensor, target: torch.Tensor, vocab: VocabShard | None) -> torch.Tensor:
+    """z[..., target] (target has a trailing dim of 1), from whichever shard holds it."""
+    if vocab is None:
+        return z.gather(-1, target).squeeze(-1)
+    local = target - vocab.start
+    inside = (local >= 0) & (local < z.shape[-1])
+    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)).squeeze(-1)
+    picked = torch.where(inside.squeeze(-1), picked, torch.zeros_like(picked))
+    return _SumOverShards.apply(picked, vocab.group)
+
+
 def token_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
     temperature: float = 1.0,
     cu_seqlens: torch.Tensor | None = None,
+    vocab: VocabShard | None = None,
 ) -> torch.Tensor:
     """Token-aligned logprobs ``out[t] = log_softmax(logits[t-1] / T)[input_ids[t]]``.
 
@@ -313,13 +362,18 @@ def token_logprobs(
     trained). Layouts: padded ``logits [..., S, V]`` with ``input_ids [..., S]``; or packed
     ``logits [T, V]``, ``input_ids [T]`` with ``cu_seqlens [n+1]`` marking sequence starts, whose
     positions would otherwise be scored by the previous sequence's last logits.
+
+    With `vocab`, `logits` hold only this rank's slice of the vocabulary. The log-softmax
+    then takes a max and a sum of exponentials over the shards (two all-reduces of one
+    value per token) and the target's logit from the shard that holds it (a third), so the
+    full logits are never gathered: per token, 3 numbers cross instead of V.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     scaled = _upcast(logits[..., :-1, :]) / temperature
     target = input_ids[..., 1:].long().unsqueeze(-1)
     # logsumexp + gather avoids materialising a second [T, V] log_softmax tensor.
-    lp = scaled.gather(-1, target).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    lp = _pick(scaled, target, vocab) - _logsumexp(scaled, vocab)
     # Built from the shape, not lp[..., :1], which is empty for a one-token sequence.
     first = lp.new_zeros((*lp.shape[:-1], 1))
     out = torch.cat([first, lp], dim=-1)
@@ -332,7 +386,14 @@ def token_logprobs(
     return out
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-position entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` with ``z = logits / T``; for logging."""
+def entropy_from_logits(
+    logits: torch.Tensor, temperature: float = 1.0, vocab: VocabShard | None = None
+) -> torch.Tensor:
+    """Per-position entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` with ``z = logits / T``; for logging.
+    With `vocab`, reduced over the vocabulary shards like `token_logprobs`."""
     z = _upcast(logits) / temperature
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    lse = _logsumexp(z, vocab)
+    expected = (torch.exp(z - lse.unsqueeze(-1)) * z).sum(dim=-1)
+    if vocab is not None:
+        expected = _SumOverShards.apply(expected, vocab.group)
+    return lse - expected

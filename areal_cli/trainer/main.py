@@ -160,13 +160,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: Heartbeat) -> None:
     """Setup, the loop over steps, cleanup (see the module docstring)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from areal_cli.rundir.layout import initial_model_path
+    from areal_cli.trainer.mesh import build_mesh, step_layout
 
     beat.phase("init process group")
     device_type = setup_distributed(cfg)
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    mesh = build_mesh(device_type, cfg.allocation_mode)
     torch.manual_seed(cfg.seed)
     model_dir = Path(initial_model_path(cfg, run_dir))
     build = {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
@@ -179,6 +178,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         ).eval()
         ref_model.requires_grad_(False)
     optimizer, scheduler = build_optimizer(model, cfg)
+    layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
     start = 0
     if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
         beat.phase(f"load {entry.path.name}")
@@ -213,6 +213,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
             model_dir,
             args.batches,
             beat,
+            layout,
         )
     beat.phase("final barrier")
     dist.barrier()
@@ -233,7 +234,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
 
 
 def run_one_step(
-    step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir, beat
+    step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir, beat, layout
 ) -> dict:
     """Wait for the batch, train on it, publish weights, log, checkpoint."""
     source = batches_dir or run_dir / "rollouts"
@@ -251,6 +252,7 @@ def run_one_step(
         cfg.gconfig.temperature,
         ref_model,
         beat=lambda phase: beat.phase(f"step {step}: {phase}"),
+        layout=layout,
     )
     train_s = time.perf_counter() - t0
     beat.phase(f"step {step}: publish v{step + 1}")
@@ -308,11 +310,7 @@ def run_one_step(
 
 
 if __name__ == "__main__":
+    from areal_cli.rundir.process import exit_without_teardown
+
     main()
-    # Every output is fsynced and every rank passed the final barrier. Skip process-group
-    # and interpreter teardown: gloo's background threads can abort the process there
-    # ("terminate called without an active exception"), turning a finished run into a
-    # failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # every output is fsynced and every rank passed the final barrier

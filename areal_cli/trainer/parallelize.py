@@ -1,12 +1,21 @@
-"""All of FSDP2 in one place: build on meta, shard blocks then root, load weights.
+"""All of the trainer's parallelism in one place: build on meta, TP, FSDP2, load weights.
 
 `build_sharded_model` is the only entry point the trainer uses:
   1. build the model from its HF config with parameters on the meta device (buffers such
      as rotary frequencies stay real, since no checkpoint holds them);
-  2. `parallelize`: `fully_shard` each block chosen by the wrap policy, then the root,
-     with an explicit MixedPrecisionPolicy; fail loudly if no block matched;
+  2. `parallelize`: with t > 1, tensor parallelism on the mesh's tp dim, by the plan of
+     the model's architecture (`TP_PLANS`); then `fully_shard` each block chosen by the
+     wrap policy, then the root, over the dp x cp ranks, with an explicit
+     MixedPrecisionPolicy; fail loudly if no block matched;
   3. allocate the local shards and load the weights: every rank reads the safetensors,
      or with `memory_efficient_load` only rank 0 reads and the shards are broadcast.
+
+Tensor parallelism (Megatron's layout): q/k/v and gate/up are split by output columns,
+o and down by input rows, so each block needs one all-reduce in forward for attention
+and one for the MLP. The embedding is split over the vocabulary (its partial outputs are
+summed), and so is the LM head, whose logits stay split: `losses.token_logprobs` and
+`losses.entropy_from_logits` reduce over the vocabulary shards without gathering them.
+HF's attention reshapes with -1 heads, so each rank runs its local heads unchanged.
 """
 
 from __future__ import annotations
@@ -17,9 +26,22 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from areal_cli.config.schema import FSDPEngineConfig, torch_dtype
+from areal_cli.config.validate import tensor_parallel_problem
+from areal_cli.trainer.mesh import TrainerMesh
+
+# The plan of every architecture in TP_MODEL_TYPES: all are Llama-shaped (Qwen2 adds q/k/v
+# biases, Qwen3 per-head q/k norms; both follow the split).
+_TP_LAYER = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
 
 
 @contextlib.contextmanager
@@ -49,14 +71,50 @@ def wrap_classes(model: nn.Module, cfg: FSDPEngineConfig) -> set[str]:
     return set(names)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: FSDPEngineConfig) -> nn.Module:
-    """Apply FSDP2 to `model` in place: each wrapped block, then the root."""
+def apply_tensor_parallel(model: nn.Module, tmesh: TrainerMesh) -> None:
+    """Split the model's layers over the tp ranks (Megatron's layout; see the module doc)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    problem = tensor_parallel_problem(model.config.to_dict(), tmesh.tp)
+    if problem:
+        raise ValueError(problem)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in _TP_LAYER.items()}
+    for layer in model.model.layers:
+        parallelize_module(layer, tmesh.tensor, plan)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    parallelize_module(
+        model,
+        tmesh.tensor,
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Replicate()
+            ),
+            # The logits stay split over the vocabulary (see losses.token_logprobs).
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+        },
+    )
+    if tied:  # both split the same [vocab, hidden] rows: keep one parameter for both
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> nn.Module:
+    """Apply tensor parallelism (t > 1), then FSDP2 to `model` in place: each wrapped
+    block, then the root, over the dp x cp ranks."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    mesh = tmesh.fsdp
     if cfg.offload_params and mesh.device_type == "cpu":
         raise ValueError(
             "actor.fsdp.offload_params needs an accelerator; on CPU the parameters already live in host memory"
         )
+    if tmesh.tp > 1:
+        apply_tensor_parallel(model, tmesh)
     mp = MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
     )
@@ -90,7 +148,7 @@ def _load_full_state(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def build_sharded_model(
     model_dir: Path,
-    mesh: DeviceMesh,
+    tmesh: TrainerMesh,
     cfg: FSDPEngineConfig,
     *,
     dtype: str = "float32",
@@ -108,10 +166,10 @@ def build_sharded_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    parallelize(model, mesh, cfg)
+    parallelize(model, tmesh, cfg)
     device = (
-        torch.device(mesh.device_type, torch.cuda.current_device())
-        if mesh.device_type == "cuda"
+        torch.device("cuda", torch.cuda.current_device())
+        if tmesh.mesh.device_type == "cuda"
         else torch.device("cpu")
     )
     model.to_empty(device=device)
@@ -122,6 +180,44 @@ def build_sharded_model(
     full = _load_full_state(model_dir) if (not rank0_only or dist.get_rank() == 0) else {}
     if getattr(config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0_only, strict=True)
-    set_model_state_dict(model, full, options=options)
+    if rank0_only:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        set_model_state_dict(model, full, options=options)
+    else:
+        _copy_local_blocks(model, full)
     return model
+
+
+@torch.no_grad()
+def _copy_local_blocks(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Every rank holds the whole checkpoint: copy each parameter's local block out of it.
+
+    The block of a DTensor is where `compute_local_shape_and_global_offset` says, for
+    any layout (FSDP2 rows, tensor-parallel rows or columns, both, uneven): no
+    collective, and unlike `set_model_state_dict`, no requirement that FSDP's strided
+    shards over tensor-parallel ones divide evenly (a vocabulary of 49155 over t2 x d2)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    state = model.state_dict()
+    missing = sorted(set(state) - set(full) - {"lm_head.weight"})
+    unexpected = sorted(set(full) - set(state))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, value in state.items():
+        if name not in full:
+            continue  # lm_head.weight of a tied model: the embedding's block
+        source = full[name]
+        if tuple(source.shape) != tuple(value.shape):
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(source.shape)} != model {tuple(value.shape)}"
+            )
+        if not hasattr(value, "to_local"):
+            value.copy_(source)
+            continue
+        shape, offset = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        block = source[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        value.to_local().copy_(block)

@@ -18,9 +18,14 @@ reference passes run the same plan. Statistics are reduced over a fixed set of k
 
 Loss normalisation: each micro-batch loss is divided by the minibatch's GLOBAL number of
 loss tokens (or sequences, for seq_mean), computed identically on every rank from the
-full batch, and multiplied by the data-parallel size because FSDP averages gradients
-over ranks. So the gradient is the same however the batch is split over ranks and
-micro-batches.
+full batch, and multiplied by the number of ranks that hold different tokens (dp x cp)
+because FSDP averages gradients over them. So the gradient is the same however the batch
+is split over ranks and micro-batches.
+
+Layouts (`StepLayout`, from the trainer's mesh): sequences are split over the dp ranks
+only; the ranks of one tensor-parallel group see the same tokens and compute the same
+loss, from logits split over the vocabulary (`losses.VocabShard`). Per-token sums are
+reduced over one rank per token (dp x cp), so tp replicas are not counted twice.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +42,7 @@ from torch import nn
 from areal_cli.config.schema import TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
+from areal_cli.trainer.losses import VocabShard
 from areal_cli.trainer.packing import pack_sequences, packed_forward_kwargs, plan_micro_batches
 
 Beat = Callable[[str], None]
@@ -43,6 +50,25 @@ Beat = Callable[[str], None]
 
 def _no_beat(phase: str) -> None:
     pass
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How this rank takes part in a step; `data_parallel()` when there is no mesh."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    data_world: int = 1  # ranks holding different tokens (FSDP averages gradients over them)
+    stats_group: Any = None  # where per-token sums are reduced; None: the whole world
+    vocab: VocabShard | None = None  # the LM head's logits are split (tensor parallel)
+
+    @classmethod
+    def data_parallel(cls) -> StepLayout:
+        """Every rank of the world is a data-parallel rank (or the only process)."""
+        if not dist.is_initialized():
+            return cls()
+        world = dist.get_world_size()
+        return cls(dist.get_rank(), world, world)
 
 
 @dataclass
@@ -66,7 +92,11 @@ def split_range(n: int, parts: int, index: int) -> range:
 
 
 def _forward_logprobs(
-    model: nn.Module, batch: RolloutBatch, seqs: list[int], temperature: float
+    model: nn.Module,
+    batch: RolloutBatch,
+    seqs: list[int],
+    temperature: float,
+    vocab: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Packed forward over `seqs`; returns (token logprobs, entropy, packed tensors)."""
     tokens = [batch.sequence(i) for i in seqs]
@@ -78,10 +108,10 @@ def _forward_logprobs(
     }
     logits = model(**kwargs).logits[0].float()
     logp = losses.token_logprobs(
-        logits, kwargs["input_ids"][0], temperature, packed.cu_seqlens.to(device)
+        logits, kwargs["input_ids"][0], temperature, packed.cu_seqlens.to(device), vocab
     )
     with torch.no_grad():
-        entropy = losses.entropy_from_logits(logits.detach(), temperature)
+        entropy = losses.entropy_from_logits(logits.detach(), temperature, vocab)
     cat = {
         k: torch.cat([t[k] for t in tokens]).to(device)
         for k in ("loss_mask", "logprobs", "versions")
@@ -128,12 +158,12 @@ class _Stats:
     def max(self, key: str, value: float) -> None:
         self.maxes[key] = max(self.maxes[key], float(value))
 
-    def reduce(self) -> dict[str, float]:
+    def reduce(self, group: Any = None) -> dict[str, float]:
         sums = torch.tensor(list(self.sums.values()), dtype=torch.float64)
         maxes = torch.tensor(list(self.maxes.values()), dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         out = dict(zip(self.sums, sums.tolist(), strict=True))
         # A maximum over no token at all is reported as 0, like the per-micro-batch stats.
         out.update(
@@ -164,14 +194,15 @@ def train_step(
     temperature: float,
     ref_model: nn.Module | None = None,
     beat: Beat = _no_beat,
+    layout: StepLayout | None = None,
 ) -> dict[str, float]:
-    """Run one PPO step on `batch` (collective over the data-parallel ranks).
+    """Run one PPO step on `batch` (collective over every trainer rank).
 
     `ref_model` (frozen, same sharding) is required when `cfg.kl_ctl > 0`. `beat` is told
-    each phase as it starts (the heartbeat that the controller's watchdog reads).
+    each phase as it starts (the heartbeat that the controller's watchdog reads). `layout`
+    says how this rank takes part (default: data parallel over the whole world).
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = layout or StepLayout.data_parallel()
     if cfg.kl_ctl > 0 and ref_model is None:
         raise ValueError("actor.kl_ctl > 0 needs a reference model")
     temperature = temperature if temperature > 0 else 1.0
@@ -179,16 +210,18 @@ def train_step(
     n_minibatches = cfg.ppo_n_minibatches
     stats = _Stats(*_stat_keys(cfg))
     minibatches = [list(split_range(batch.n_seqs, n_minibatches, m)) for m in range(n_minibatches)]
-    shards = [[mb[i] for i in split_range(len(mb), world, rank)] for mb in minibatches]
+    shards = [
+        [mb[i] for i in split_range(len(mb), layout.dp_size, layout.dp_rank)] for mb in minibatches
+    ]
     beat("plan micro-batches")
     plans = agree_on_micro_batches(batch, shards, cfg)
     prox = (
-        _no_grad_logprobs(model, batch, shards, plans, temperature, beat, "proximal")
+        _no_grad_logprobs(model, batch, shards, plans, temperature, beat, "proximal", layout)
         if cfg.use_decoupled_loss
         else None
     )
     ref = (
-        _no_grad_logprobs(ref_model, batch, shards, plans, temperature, beat, "reference")
+        _no_grad_logprobs(ref_model, batch, shards, plans, temperature, beat, "reference", layout)
         if cfg.kl_ctl > 0
         else None
     )
@@ -203,10 +236,10 @@ def train_step(
         for j, mb in enumerate(plan.micro_batches):
             beat(f"train mb {j + 1}/{n_mbs}" + _of(m, n_minibatches))
             if not mb:
-                (_empty_forward(model) * world).backward()
+                (_empty_forward(model) * layout.data_world).backward()
                 continue
             seqs = [shard[i] for i in mb]
-            logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature)
+            logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature, layout.vocab)
             mask = t["loss_mask"].bool()
             adv = losses.broadcast_to_tokens(adv_seq[seqs].to(logp.device), mask, t["seq_ids"])
             if prox is not None:
@@ -236,7 +269,7 @@ def train_step(
             loss = losses.aggregate_loss(
                 loss_tok, mask, normalizer, cfg.loss_agg_mode, t["seq_ids"]
             )
-            (loss * world).backward()
+            (loss * layout.data_world).backward()
             _record(stats, loss, lstats, entropy, mask, t)
         beat("optimizer step" + _of(m, n_minibatches))
         grad_norms.append(_optimizer_step(model, optimizer, cfg.optimizer.gradient_clipping))
@@ -247,8 +280,8 @@ def train_step(
         stats.add("replanned_shards", plan.replanned)
         stats.add("empty_micro_batches", sum(1 for mb in plan.micro_batches if not mb))
     beat("reduce stats")
-    out = stats.reduce()
-    return _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer)
+    out = stats.reduce(layout.stats_group)
+    return _finish_stats(out, grad_norms, batch, layout.data_world, n_minibatches, optimizer)
 
 
 def _of(m: int, n_minibatches: int) -> str:
@@ -284,7 +317,7 @@ def agree_on_micro_batches(
 
 @torch.no_grad()
 def _no_grad_logprobs(
-    model, batch, shards, plans, temperature, beat: Beat, name: str
+    model, batch, shards, plans, temperature, beat: Beat, name: str, layout: StepLayout
 ) -> list[list[torch.Tensor | None]]:
     """Logprobs of every micro-batch under `model` as it is now: the proximal policy
     (current weights before this step's update, for decoupled PPO) or the reference."""
@@ -294,7 +327,8 @@ def _no_grad_logprobs(
         for j, mb in enumerate(plan.micro_batches):
             beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(plans)))
             if mb:
-                row.append(_forward_logprobs(model, batch, [shard[i] for i in mb], temperature)[0])
+                seqs = [shard[i] for i in mb]
+                row.append(_forward_logprobs(model, batch, seqs, temperature, layout.vocab)[0])
             else:
                 _empty_forward(model)
                 row.append(None)
@@ -322,15 +356,54 @@ def _record(stats: _Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, clip: float) -> float:
     # Every parameter that takes part in the forward has a gradient on every rank (empty
-    # micro-batches included), so the norm's collective sees the same tensors everywhere.
+    # micro-batches included), so the norm's collectives see the same tensors everywhere.
     params = [p for p in model.parameters() if p.grad is not None]
-    max_norm = clip if clip > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    norm = grad_norm([p.grad for p in params])
+    if clip > 0 and norm > clip:
+        scale = clip / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm
+
+
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """The global L2 norm of gradients that may be DTensors on different meshes (FSDP2's
+    dp x cp mesh for some parameters, dp x cp by tp for tensor-parallel ones), as
+    `clip_grad_norm_` would give on one process. Each rank sums the squares of the blocks
+    it is the primary holder of (`is_primary_block`: replicas are counted once), then one
+    all-reduce over the world: a single reduction, so every rank gets the same bits and
+    clips by the same factor."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        if is_primary_block(g):
+            local = g.to_local() if hasattr(g, "to_local") else g
+            total += local.double().pow(2).sum().cpu()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total.sqrt())
+
+
+def is_primary_block(t: torch.Tensor) -> bool:
+    """Whether this rank's piece of `t` is the one to count (or write) among its copies.
+
+    A DTensor's mesh covers the ranks that hold different pieces of it, plus Replicate
+    dims; ranks outside its mesh hold the same pieces again (FSDP-only parameters on the
+    dp x cp mesh of each tp coordinate). Every copy set partitions the world, so exactly
+    one contains rank 0: its ranks are primary, at coordinate 0 of any Replicate dim. A
+    plain tensor is the same everywhere: rank 0's copy is primary."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not hasattr(t, "device_mesh"):
+        return rank == 0
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    if any(p.is_partial() for p in placements):
+        raise ValueError("a Partial DTensor has no blocks of its own")
+    if 0 not in mesh.mesh.flatten().tolist():
+        return False
+    return all(
+        not p.is_replicate() or mesh.get_local_rank(i) == 0 for i, p in enumerate(placements)
+    )
 
 
 def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> dict[str, float]:

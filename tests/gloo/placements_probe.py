@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from transformers import AutoModelForCausalLM
 
+from areal_cli.rundir.process import exit_without_teardown
 from areal_cli.trainer import checkpoint
 
 
@@ -36,7 +37,8 @@ def main() -> None:
         checkpoint.export_hf(out, f"v{step}", step, model, model_dir)
     if dist.get_rank() == 0:
         torch.save(expected, out / "expected.pt")
-    dist.destroy_process_group()
+    dist.barrier()
+    exit_without_teardown()  # gloo's teardown can abort a finished rank
 
 
 if __name__ == "__main__":

@@ -130,3 +130,14 @@ def test_demo_prompts_render_as_the_rollout_renders_dataset_rows(tiny_model_dir:
     for a, b in ((0, 0), (3, 4), (9, 9)):
         row = {"prompt": f"What is {a}+{b}?", "answer": str(a + b)}
         assert prompt_ids(tokenizer, a, b) == format_prompt(tokenizer, row, DatasetConfig())
+
+
+def test_validation_knows_the_builtin_architectures() -> None:
+    """config.BUILTIN_ARCHITECTURES (read before any model is built) matches the presets."""
+    from areal_cli.config.schema import BUILTIN_ARCHITECTURES
+    from areal_cli.models.tiny_model import PRESETS
+
+    for name, (model_type, heads, kv_heads) in BUILTIN_ARCHITECTURES.items():
+        preset = PRESETS["tiny" if name == "tiny-arith" else name]
+        assert model_type == "llama"
+        assert (heads, kv_heads) == (preset.num_attention_heads, preset.num_key_value_heads)

@@ -43,7 +43,6 @@ def test_inference_only_and_defaults() -> None:
         ("fsdp:d1+fsdp:d2", "two train components"),
         ("fsdp:d2p2", "pipeline"),
         ("fsdp:d2c2", "context parallelism"),
-        ("fsdp:d2t2", "tensor parallelism"),
         ("embedded:t2", "one whole model per process"),
         ("sglang:d1c2", "context parallelism"),
     ],
@@ -52,3 +51,9 @@ def test_rejects_with_reason(text: str, fragment: str) -> None:
     with pytest.raises(AllocationError) as info:
         parse_allocation(text)
     assert fragment in info.value.message and info.value.fix
+
+
+def test_fsdp_takes_tensor_parallel_ranks() -> None:
+    mode = parse_allocation("embedded:d1+fsdp:d2t2")
+    assert (mode.train.data_parallel_size, mode.train.tensor_parallel_size) == (2, 2)
+    assert mode.train.world_size == 4

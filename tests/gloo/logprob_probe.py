@@ -1,0 +1,43 @@
+"""Usage: torchrun ... logprob_probe.py CONFIG BATCHES OUT
+
+Per-token logprobs and entropies of every sequence of BATCHES/step-0 under the model
+sharded as CONFIG's allocation says (tensor-parallel logits stay split over the
+vocabulary); rank 0 saves them to OUT/logprobs.pt for a comparison across layouts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_cli.config.loader import load_config
+from areal_cli.rundir import handoff
+from areal_cli.rundir.batch import read_batch
+from areal_cli.rundir.process import exit_without_teardown
+from areal_cli.trainer.mesh import build_mesh, step_layout
+from areal_cli.trainer.parallelize import build_sharded_model
+from areal_cli.trainer.step import _forward_logprobs
+
+
+def main() -> None:
+    config, batches, out = (Path(a) for a in sys.argv[1:4])
+    cfg = load_config(config).config
+    dist.init_process_group("gloo")
+    mesh = build_mesh("cpu", cfg.allocation_mode)
+    model = build_sharded_model(Path(cfg.model.path), mesh, cfg.actor.fsdp)
+    layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
+    batch = read_batch(handoff.read_entry(batches / "step-0"))
+    with torch.no_grad():
+        logp, entropy, _ = _forward_logprobs(
+            model, batch, list(range(batch.n_seqs)), 0.7, layout.vocab
+        )
+    if dist.get_rank() == 0:
+        torch.save({"logp": logp, "entropy": entropy}, out / "logprobs.pt")
+    dist.barrier()
+    exit_without_teardown()  # gloo's teardown can abort a finished rank
+
+
+if __name__ == "__main__":
+    main()
