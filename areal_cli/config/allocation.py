@@ -127,11 +127,6 @@ def _check_supported(mode: AllocationMode) -> None:
                 "fsdp cannot do pipeline parallelism (p>1): FSDP shards every layer across all ranks, it has no stages",
                 "use fsdp:dN with N ranks",
             )
-        if train.context_parallel_size > 1:
-            raise AllocationError(
-                "fsdp context parallelism (c>1) is not supported yet: the trainer does not split sequences across ranks",
-                "use fsdp:dN or fsdp:dNtM, and bound sequence length with actor.mb_spec.max_tokens_per_mb",
-            )
     inference = mode.inference
     if inference is None:
         return

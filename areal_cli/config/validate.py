@@ -319,27 +319,34 @@ def _check_rollout_sizes(c: _Checker) -> None:
         )
 
 
-def tensor_parallel_problem(config: dict, tp: int) -> str:
-    """Why a model (its config.json as a dict) cannot be split over `tp` ranks, or ''."""
-    if tp == 1:
-        return ""
-    model_type = config.get("model_type", "?")
-    if model_type not in TP_MODEL_TYPES:
-        return (
-            f"the trainer has no tensor-parallel plan for model_type '{model_type}' "
-            f"(supported: {', '.join(TP_MODEL_TYPES)})"
-        )
+def parallel_problem(config: dict, tp: int, cp: int = 1) -> str:
+    """Why a model (its config.json as a dict) cannot be split over `tp` tensor-parallel
+    and `cp` context-parallel ranks, or ''. Tensor parallelism needs a plan for the
+    architecture and splits the heads; Ulysses context parallelism then splits each tp
+    rank's heads again."""
     heads = config.get("num_attention_heads", 0)
     kv_heads = config.get("num_key_value_heads") or heads
-    if heads % tp or kv_heads % tp:
-        return f"t{tp} does not divide the model's {heads} attention and {kv_heads} key/value heads"
+    if tp > 1:
+        model_type = config.get("model_type", "?")
+        if model_type not in TP_MODEL_TYPES:
+            return (
+                f"the trainer has no tensor-parallel plan for model_type '{model_type}' "
+                f"(supported: {', '.join(TP_MODEL_TYPES)})"
+            )
+        if heads % tp or kv_heads % tp:
+            return f"t{tp} does not divide the model's {heads} attention and {kv_heads} key/value heads"
+    if cp > 1 and ((heads // tp) % cp or (kv_heads // tp) % cp):
+        return (
+            f"c{cp} does not divide the {heads // tp} attention and {kv_heads // tp} key/value "
+            f"heads of each tensor-parallel rank (t{tp})"
+        )
     return ""
 
 
 def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
-    """A trainer t > 1 needs a plan for the architecture and heads that t divides."""
-    tp = mode.train.tensor_parallel_size
-    if tp == 1 or not c.valid("model.path"):
+    """A trainer t > 1 needs a plan for the architecture; t and c must split the heads."""
+    tp, cp = mode.train.tensor_parallel_size, mode.train.context_parallel_size
+    if tp == 1 and cp == 1 or not c.valid("model.path"):
         return
     path = c.cfg.model.path
     if path.startswith("builtin:"):
@@ -359,9 +366,9 @@ def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
             config = None
     if config is None:
         return  # reported by _check_model, or a plan for a model not on this machine
-    problem = tensor_parallel_problem(config, tp)
+    problem = parallel_problem(config, tp, cp)
     if problem:
-        c.error("allocation_mode", problem, "use t=1, or a t that divides the head counts")
+        c.error("allocation_mode", problem, "choose t and c that divide the head counts")
 
 
 def _check_model(c: _Checker, launch: bool) -> None:

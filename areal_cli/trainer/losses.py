@@ -274,12 +274,16 @@ def aggregate_loss(
     normalizer: float,
     mode: LossAggMode = "token_mean",
     seq_ids: torch.Tensor | None = None,
+    seq_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses of one micro-batch to a scalar share of the global-batch loss.
 
     ``token_mean``: ``sum_t m_t l_t / N_tok``. ``seq_mean``: ``sum_s mean_{t in s, m_t} l_t / N_seq``.
     With ``normalizer`` the *global* N (from :func:`loss_normalizer`), summing this over any split of
     the batch into micro-batches (sequences kept whole) equals the whole-batch value, gradients too.
+    ``seq_counts`` (masked tokens of each sequence, counted over the whole sequence) lets a
+    micro-batch hold only part of a sequence (context parallelism): the per-sequence means
+    are then taken over the sequence's full count, so the parts' shares add up.
     """
     if normalizer <= 0:
         # An all-masked batch: return a graph-connected zero so backward() still works.
@@ -292,8 +296,13 @@ def aggregate_loss(
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {LOSS_AGG_MODES}")
     ids = _resolve_seq_ids(loss_mask, seq_ids).reshape(-1)
     n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    if seq_counts is not None:
+        n_seq = max(n_seq, len(seq_counts))
     sums = masked.new_zeros(n_seq).index_add(0, ids, masked.reshape(-1))
-    counts = masked.new_zeros(n_seq).index_add(0, ids, m.reshape(-1).to(masked.dtype))
+    if seq_counts is not None:
+        counts = seq_counts.to(masked)
+    else:
+        counts = masked.new_zeros(n_seq).index_add(0, ids, m.reshape(-1).to(masked.dtype))
     return (sums / counts.clamp(min=1)).sum() / normalizer
 
 
@@ -384,6 +393,29 @@ def token_logprobs(
         starts = starts[starts < out.shape[-1]]
         out = out.index_fill(-1, starts, 0.0)
     return out
+
+
+IGNORE = -100  # a label position with no next token (the last token of a sequence, padding)
+
+
+def label_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    vocab: VocabShard | None = None,
+) -> torch.Tensor:
+    """``out[p] = log_softmax(logits[p] / T)[labels[p]]``, 0 where ``labels[p] == IGNORE``.
+
+    The label-space twin of `token_logprobs`: position p is scored against the token that
+    follows it (the caller shifts the targets, not the logits), so a slice of positions
+    needs no neighbouring slice; context parallelism cuts micro-batches this way."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = _upcast(logits) / temperature
+    valid = labels != IGNORE
+    target = torch.where(valid, labels, torch.zeros_like(labels)).long().unsqueeze(-1)
+    lp = _pick(scaled, target, vocab) - _logsumexp(scaled, vocab)
+    return torch.where(valid, lp, torch.zeros_like(lp))
 
 
 def entropy_from_logits(

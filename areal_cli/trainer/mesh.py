@@ -7,7 +7,8 @@ Megatron do, so a tensor-parallel group is a block of neighbouring ranks.
 
 Who does what:
   dp   ranks with different dp coordinates get different sequences of the batch;
-  cp   (context parallel, not yet) would split each sequence;
+  cp   ranks of one cp group split each micro-batch's tokens (Ulysses; see
+       context_parallel.py);
   tp   ranks of one tp group hold slices of the same layers and see the same tokens.
 FSDP2 shards parameters (and reduces gradients) over the dp x cp ranks that share a tp
 coordinate. Sums of per-token statistics are reduced over the same group, so the tp
@@ -85,4 +86,14 @@ def step_layout(tmesh: TrainerMesh, vocab_size: int) -> StepLayout:
         chunk = -(-vocab_size // tmesh.tp)
         start = min(tmesh.mesh.get_local_rank("tp") * chunk, vocab_size)
         vocab = VocabShard(tmesh.tp_group(), start)
-    return StepLayout(tmesh.dp_rank, tmesh.dp, tmesh.data_world, tmesh.stats_group(), vocab)
+    cp = tmesh.mesh["cp"]
+    return StepLayout(
+        tmesh.dp_rank,
+        tmesh.dp,
+        tmesh.data_world,
+        tmesh.stats_group(),
+        vocab,
+        cp_rank=cp.get_local_rank(),
+        cp_size=tmesh.cp,
+        cp_group=cp.get_group() if tmesh.cp > 1 else None,
+    )

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from areal_cli.config.schema import FSDPEngineConfig, torch_dtype
-from areal_cli.config.validate import tensor_parallel_problem
+from areal_cli.config.validate import parallel_problem
 from areal_cli.trainer.mesh import TrainerMesh
 
 # The plan of every architecture in TP_MODEL_TYPES: all are Llama-shaped (Qwen2 adds q/k/v
@@ -80,9 +80,6 @@ def apply_tensor_parallel(model: nn.Module, tmesh: TrainerMesh) -> None:
         parallelize_module,
     )
 
-    problem = tensor_parallel_problem(model.config.to_dict(), tmesh.tp)
-    if problem:
-        raise ValueError(problem)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {name: styles[style]() for name, style in _TP_LAYER.items()}
     for layer in model.model.layers:
@@ -113,8 +110,16 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
         raise ValueError(
             "actor.fsdp.offload_params needs an accelerator; on CPU the parameters already live in host memory"
         )
+    problem = parallel_problem(model.config.to_dict(), tmesh.tp, tmesh.cp)
+    if problem:
+        raise ValueError(problem)
     if tmesh.tp > 1:
         apply_tensor_parallel(model, tmesh)
+    if tmesh.cp > 1:  # attention sees whole sequences through all-to-alls (Ulysses)
+        from areal_cli.trainer import context_parallel
+
+        context_parallel.register()
+        model.config._attn_implementation = context_parallel.ATTENTION
     mp = MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
     )

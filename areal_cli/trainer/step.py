@@ -30,6 +30,7 @@ reduced over one rank per token (dp x cp), so tp replicas are not counted twice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from areal_cli.config.schema import TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
 from areal_cli.trainer.losses import VocabShard
-from areal_cli.trainer.packing import pack_sequences, packed_forward_kwargs, plan_micro_batches
+from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
 Beat = Callable[[str], None]
 
@@ -61,6 +62,9 @@ class StepLayout:
     data_world: int = 1  # ranks holding different tokens (FSDP averages gradients over them)
     stats_group: Any = None  # where per-token sums are reduced; None: the whole world
     vocab: VocabShard | None = None  # the LM head's logits are split (tensor parallel)
+    cp_rank: int = 0  # context parallel: this rank's slice of each micro-batch's positions
+    cp_size: int = 1
+    cp_group: Any = None
 
     @classmethod
     def data_parallel(cls) -> StepLayout:
@@ -91,41 +95,103 @@ def split_range(n: int, parts: int, index: int) -> range:
     return range(start, start + base + (1 if index < extra else 0))
 
 
+def _label_space(tokens: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The per-token tensors of packed sequences, shifted so that position p carries what
+    belongs to the token after it (its label, mask, behaviour logprob and version): the
+    logits at p are scored on it. A sequence's last position has no label (IGNORE); its
+    first token has no position, and it is a prompt token, never trained."""
+
+    def shifted(key: str, fill: float) -> torch.Tensor:
+        return torch.cat([torch.cat([t[key][1:], t[key].new_full((1,), fill)]) for t in tokens])
+
+    packed = pack_sequences([t["input_ids"] for t in tokens])
+    return {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "seq_ids": packed.seq_ids,
+        "labels": shifted("input_ids", losses.IGNORE),
+        "loss_mask": shifted("loss_mask", 0),
+        "logprobs": shifted("logprobs", 0.0),
+        "versions": shifted("versions", -1),
+        # masked tokens of each whole sequence, for seq_mean when a sequence is split
+        "seq_counts": torch.tensor([float(t["loss_mask"][1:].sum()) for t in tokens]),
+        "real": torch.ones(len(packed.input_ids), dtype=torch.bool),
+    }
+
+
+def _slice_for_context_parallel(mb: dict[str, torch.Tensor], layout: StepLayout) -> slice:
+    """Pad the micro-batch to a multiple of cp with a filler sequence (no labels, no loss)
+    and return this rank's slice of positions."""
+    from areal_cli.trainer import context_parallel as cpar
+
+    pad = cpar.pad_to_multiple(len(mb["input_ids"]), layout.cp_size)
+    if pad:
+        filler = {
+            "input_ids": torch.zeros(pad, dtype=mb["input_ids"].dtype),
+            "position_ids": torch.arange(pad, dtype=mb["position_ids"].dtype),
+            "seq_ids": torch.full((pad,), len(mb["seq_counts"]), dtype=mb["seq_ids"].dtype),
+            "labels": torch.full((pad,), losses.IGNORE, dtype=mb["labels"].dtype),
+            "loss_mask": torch.zeros(pad, dtype=mb["loss_mask"].dtype),
+            "logprobs": torch.zeros(pad, dtype=mb["logprobs"].dtype),
+            "versions": torch.full((pad,), -1, dtype=mb["versions"].dtype),
+            "real": torch.zeros(pad, dtype=torch.bool),
+        }
+        for key, extra in filler.items():
+            mb[key] = torch.cat([mb[key], extra])
+        mb["seq_counts"] = torch.cat([mb["seq_counts"], torch.ones(1)])  # the filler's (no loss)
+    return cpar.local_slice(len(mb["input_ids"]), layout.cp_size, layout.cp_rank)
+
+
 def _forward_logprobs(
     model: nn.Module,
     batch: RolloutBatch,
     seqs: list[int],
     temperature: float,
-    vocab: VocabShard | None = None,
+    layout: StepLayout,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Packed forward over `seqs`; returns (token logprobs, entropy, packed tensors)."""
-    tokens = [batch.sequence(i) for i in seqs]
-    packed = pack_sequences([t["input_ids"] for t in tokens])
+    """Packed forward over `seqs`, in label space (`_label_space`); with context
+    parallelism, over this rank's slice of the positions. Returns (logprobs of the labels,
+    entropy, the per-position tensors of the slice, plus `seq_counts`)."""
+    mb = _label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
-    kwargs = {
-        k: v.to(device) if torch.is_tensor(v) else v
-        for k, v in packed_forward_kwargs(packed).items()
-    }
-    logits = model(**kwargs).logits[0].float()
-    logp = losses.token_logprobs(
-        logits, kwargs["input_ids"][0], temperature, packed.cu_seqlens.to(device), vocab
-    )
+    here = slice(None)
+    context = contextlib.nullcontext()
+    if layout.cp_size > 1:
+        from areal_cli.trainer import context_parallel as cpar
+
+        here = _slice_for_context_parallel(mb, layout)
+        context = cpar.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"].to(device))
+    local = {k: v[here].to(device) for k, v in mb.items() if k != "seq_counts"}
+    with context:
+        logits = (
+            model(
+                input_ids=local["input_ids"][None],
+                position_ids=local["position_ids"][None],
+                use_cache=False,  # load-bearing: with a cache transformers ignores packing
+            )
+            .logits[0]
+            .float()
+        )
+    logp = losses.label_logprobs(logits, local["labels"], temperature, layout.vocab)
     with torch.no_grad():
-        entropy = losses.entropy_from_logits(logits.detach(), temperature, vocab)
-    cat = {
-        k: torch.cat([t[k] for t in tokens]).to(device)
-        for k in ("loss_mask", "logprobs", "versions")
-    }
-    cat["seq_ids"] = packed.seq_ids.to(device)
-    return logp, entropy, cat
+        entropy = losses.entropy_from_logits(logits.detach(), temperature, layout.vocab)
+    local["seq_counts"] = mb["seq_counts"].to(device)
+    return logp, entropy, local
 
 
-def _empty_forward(model: nn.Module) -> torch.Tensor:
-    """The forward of an empty micro-batch: one token, so every FSDP unit gathers its
-    parameters; returns a zero connected to them, whose backward reduce-scatters zeros."""
+def _empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
+    """The forward of an empty micro-batch: one token (per context-parallel rank), so every
+    FSDP unit gathers its parameters; returns a zero connected to them, whose backward
+    reduce-scatters zeros."""
     device = next(model.parameters()).device
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-    logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
+    context = contextlib.nullcontext()
+    if layout.cp_size > 1:
+        from areal_cli.trainer import context_parallel as cpar
+
+        context = cpar.micro_batch(layout.cp_group, layout.cp_size, torch.arange(layout.cp_size))
+    with context:
+        logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
     return logits.float().sum() * 0.0
 
 
@@ -236,12 +302,14 @@ def train_step(
         for j, mb in enumerate(plan.micro_batches):
             beat(f"train mb {j + 1}/{n_mbs}" + _of(m, n_minibatches))
             if not mb:
-                (_empty_forward(model) * layout.data_world).backward()
+                (_empty_forward(model, layout) * layout.data_world).backward()
                 continue
             seqs = [shard[i] for i in mb]
-            logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature, layout.vocab)
+            logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature, layout)
             mask = t["loss_mask"].bool()
-            adv = losses.broadcast_to_tokens(adv_seq[seqs].to(logp.device), mask, t["seq_ids"])
+            # one more value (0) for the filler sequence a context-parallel micro-batch may end with
+            values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
+            adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
             if prox is not None:
                 loss_tok, lstats = losses.decoupled_ppo_loss(
                     logp,
@@ -267,7 +335,7 @@ def train_step(
                 loss_tok = loss_tok + kl
                 stats.add("kl_sum", (kl.detach() / cfg.kl_ctl).sum())
             loss = losses.aggregate_loss(
-                loss_tok, mask, normalizer, cfg.loss_agg_mode, t["seq_ids"]
+                loss_tok, mask, normalizer, cfg.loss_agg_mode, t["seq_ids"], t["seq_counts"]
             )
             (loss * layout.data_world).backward()
             _record(stats, loss, lstats, entropy, mask, t)
@@ -328,9 +396,9 @@ def _no_grad_logprobs(
             beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(plans)))
             if mb:
                 seqs = [shard[i] for i in mb]
-                row.append(_forward_logprobs(model, batch, seqs, temperature, layout.vocab)[0])
+                row.append(_forward_logprobs(model, batch, seqs, temperature, layout)[0])
             else:
-                _empty_forward(model)
+                _empty_forward(model, layout)
                 row.append(None)
         out.append(row)
     return out
@@ -338,14 +406,15 @@ def _no_grad_logprobs(
 
 def _global_normalizer(batch: RolloutBatch, seqs: list[int], mode: str) -> int:
     masks = [batch.sequence(i)["loss_mask"] for i in seqs]
-    return max(1, losses.loss_normalizer(masks, mode))
+    one_sequence_each = [torch.zeros(len(m), dtype=torch.long) for m in masks]
+    return max(1, losses.loss_normalizer(masks, mode, one_sequence_each))
 
 
 def _record(stats: _Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
     n_tok = float(mask.sum())
     stats.add("loss", loss.detach())
     stats.add("loss_tokens", n_tok)
-    stats.add("tokens", float(len(mask)))
+    stats.add("tokens", float(t["real"].sum()))
     stats.add("entropy_sum", (entropy * mask).sum())
     stats.add("clip_frac_sum", lstats["clip_frac"] * n_tok)
     if "imp_weight_mean" in lstats:

@@ -24,7 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(path: Path, seed: int = 0, vocab: int = 96, tied: bool = False) -> Path:
+def make_model(
+    path: Path,
+    seed: int = 0,
+    vocab: int = 96,
+    tied: bool = False,
+    heads: int = 2,
+    kv_heads: int = 2,
+) -> Path:
     """A ~100k-parameter Llama saved with save_pretrained (fp32, untied)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -34,9 +41,9 @@ def make_model(path: Path, seed: int = 0, vocab: int = 96, tied: bool = False) -
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=64 // heads,
         max_position_embeddings=256,
         tie_word_embeddings=tied,
         initializer_range=0.1,

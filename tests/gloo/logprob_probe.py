@@ -1,8 +1,9 @@
 """Usage: torchrun ... logprob_probe.py CONFIG BATCHES OUT
 
-Per-token logprobs and entropies of every sequence of BATCHES/step-0 under the model
-sharded as CONFIG's allocation says (tensor-parallel logits stay split over the
-vocabulary); rank 0 saves them to OUT/logprobs.pt for a comparison across layouts."""
+Per-position logprobs and entropies of every sequence of BATCHES/step-0 (in label space:
+position p scores the token after it) under the model sharded as CONFIG's allocation says
+(tensor-parallel logits stay split over the vocabulary, context-parallel ranks score a
+slice each); rank 0 saves them to OUT/logprobs.pt for a comparison across layouts."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.step import _forward_logprobs
 
 
+def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def main() -> None:
     config, batches, out = (Path(a) for a in sys.argv[1:4])
     cfg = load_config(config).config
@@ -30,9 +37,10 @@ def main() -> None:
     layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
     batch = read_batch(handoff.read_entry(batches / "step-0"))
     with torch.no_grad():
-        logp, entropy, _ = _forward_logprobs(
-            model, batch, list(range(batch.n_seqs)), 0.7, layout.vocab
-        )
+        logp, entropy, _ = _forward_logprobs(model, batch, list(range(batch.n_seqs)), 0.7, layout)
+    if mesh.cp > 1:  # each cp rank scored a slice of the positions: put them together
+        total = int(batch.seqlens.sum())
+        logp, entropy = (_gather(x, layout.cp_group, mesh.cp)[:total] for x in (logp, entropy))
     if dist.get_rank() == 0:
         torch.save({"logp": logp, "entropy": entropy}, out / "logprobs.pt")
     dist.barrier()

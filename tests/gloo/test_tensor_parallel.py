@@ -1,8 +1,10 @@
-"""Tensor parallelism beside FSDP2 (gloo): t2 and d2t2 against one rank on the same batch.
+"""Tensor and context parallelism beside FSDP2 (gloo): every layout against one rank.
 
-The vocabulary (97) does not split evenly, the batch is skewed so the dp ranks plan
-different micro-batch counts, and the step uses decoupled PPO plus KL (a reference model
-sharded the same way). SGD at lr 1 without clipping makes the exported weights w0 - grad,
+Layouts t2, c2, d2t2, d2c2 and t2c2 (4 ranks on 2 cores). The vocabulary (97) does not
+split evenly; the batch is skewed so the dp ranks plan different micro-batch counts, and
+its packed micro-batches (40-token and 6-token sequences) are cut by context parallelism
+inside sequences. The step uses decoupled PPO plus KL (a reference model sharded the same
+way), once with token_mean and once with seq_mean (sequences split across cp ranks). SGD at lr 1 without clipping makes the exported weights w0 - grad,
 so comparing them compares every parameter's gradient, and tests the export of
 tensor-parallel shards (each rank writes its own block) at the same time.
 """
@@ -19,19 +21,32 @@ from tests.gloo.test_collectives import _record, _run, _skewed_batch, _weights
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
-LAYOUTS = [("embedded:d1+fsdp:d1t2", 2), ("embedded:d1+fsdp:d2t2", 4)]
+LAYOUTS = {
+    "t2": ("embedded:d1+fsdp:d1t2", 2),
+    "c2": ("embedded:d1+fsdp:d1c2", 2),
+    "d2t2": ("embedded:d1+fsdp:d2t2", 4),
+    "d2c2": ("embedded:d1+fsdp:d2c2", 4),
+    "t2c2": ("embedded:d1+fsdp:d1t2c2", 4),
+}
+CASES = [(*layout, "token_mean") for layout in LAYOUTS.values()]
+CASES += [(*LAYOUTS["c2"], "seq_mean"), (*LAYOUTS["t2c2"], "seq_mean")]
+CASE_IDS = list(LAYOUTS) + ["c2-seq_mean", "t2c2-seq_mean"]
 
 
 @pytest.fixture(scope="module")
 def tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tp") / "model", vocab=97)
+    # 4 heads of each kind: t2c2 splits them into 1 per rank
+    return make_model(tmp_path_factory.mktemp("tp") / "model", vocab=97, heads=4, kv_heads=4)
 
 
-@pytest.mark.parametrize(("allocation", "nproc"), LAYOUTS, ids=["t2", "d2t2"])
-def test_step_matches_one_rank(tmp_path: Path, tp_model: Path, allocation: str, nproc: int) -> None:
+@pytest.mark.parametrize(("allocation", "nproc", "agg"), CASES, ids=CASE_IDS)
+def test_step_matches_one_rank(
+    tmp_path: Path, tp_model: Path, allocation: str, nproc: int, agg: str
+) -> None:
     batches = _skewed_batch(tmp_path / "batches", 4, 4, vocab=97)
-    single = _run(tmp_path, "single", 1, tp_model, batches)
-    split = _run(tmp_path, "split", nproc, tp_model, batches, allocation_mode=allocation)
+    extra = {"actor.loss_agg_mode": agg}
+    single = _run(tmp_path, "single", 1, tp_model, batches, **extra)
+    split = _run(tmp_path, "split", nproc, tp_model, batches, allocation_mode=allocation, **extra)
     a, b = _record(single), _record(split)
     for key in ("loss", "kl", "entropy", "imp_weight_mean", "clip_frac"):
         assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -43,7 +58,7 @@ def test_step_matches_one_rank(tmp_path: Path, tp_model: Path, allocation: str, 
         assert float((wa[key] - wb[key]).abs().max()) < 1e-5, key
 
 
-@pytest.mark.parametrize(("allocation", "nproc"), LAYOUTS, ids=["t2", "d2t2"])
+@pytest.mark.parametrize(("allocation", "nproc"), LAYOUTS.values(), ids=list(LAYOUTS))
 def test_logprobs_match_one_rank(
     tmp_path: Path, tp_model: Path, allocation: str, nproc: int
 ) -> None:
@@ -63,8 +78,11 @@ def test_logprobs_match_one_rank(
         assert diff < 1e-5, (key, diff)
 
 
-@pytest.mark.parametrize(("allocation", "nproc"), [("embedded:d1+fsdp:d1t2", 2)], ids=["t2"])
-def test_a_data_parallel_checkpoint_resumes_tensor_parallel(
+RESUMED = ["t2", "c2", "t2c2"]
+
+
+@pytest.mark.parametrize(("allocation", "nproc"), [LAYOUTS[k] for k in RESUMED], ids=RESUMED)
+def test_a_data_parallel_checkpoint_resumes_in_another_layout(
     tmp_path: Path, tp_model: Path, allocation: str, nproc: int
 ) -> None:
     """d2 for 2 steps with recover checkpoints, then step 3 under d2 and, from the same
@@ -88,8 +106,8 @@ def test_a_data_parallel_checkpoint_resumes_tensor_parallel(
     assert [m["step"] for m in resumed] == [0, 1, 2]
     assert resumed[2]["loss"] == pytest.approx(straight[2]["loss"], abs=1e-5)
     assert resumed[2]["grad_norm"] == pytest.approx(straight[2]["grad_norm"], rel=1e-5)
-    # The tensor-parallel recover checkpoint converts to an HF folder equal to the weights
-    # the same step published, and that folder loads in transformers.
+    # The new layout's recover checkpoint converts to an HF folder equal to the weights the
+    # same step published, and that folder loads in transformers.
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import run_areal

@@ -42,7 +42,6 @@ def test_inference_only_and_defaults() -> None:
         ("sglang:d1+embedded:d1", "two inference components"),
         ("fsdp:d1+fsdp:d2", "two train components"),
         ("fsdp:d2p2", "pipeline"),
-        ("fsdp:d2c2", "context parallelism"),
         ("embedded:t2", "one whole model per process"),
         ("sglang:d1c2", "context parallelism"),
     ],
