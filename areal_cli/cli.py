@@ -110,7 +110,7 @@ def train(
 
             from areal_cli.launch.display import print_plan
 
-            print_plan(plan, Console(), secret=secret)
+            print_plan(plan, Console(), secret=secret, trainer=_trainer_layout(loaded, result))
         return
     _check_ports_free(plan.processes, recipe)
     from areal_cli.launch.train import run_training
@@ -123,6 +123,27 @@ def train(
 
         _fail([ConfigProblem("trial_name", str(exc))], f"in {recipe}")
     raise typer.Exit(code)
+
+
+def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | None:
+    """What --dry-run says of the trainer's mesh and memory, when the model's sizes are
+    known here (a local or cached config.json, or a builtin)."""
+    from areal_cli.config.validate import model_config
+    from areal_cli.launch.layout import ModelDims, describe
+
+    cfg, train = loaded.config, result.allocation.train if result.allocation else None
+    config = model_config(cfg.model.path)
+    if train is None or config is None or "num_attention_heads" not in config:
+        return None
+    return describe(
+        ModelDims.from_config(config),
+        train.data_parallel_size,
+        train.context_parallel_size,
+        train.tensor_parallel_size,
+        cfg.actor.mb_spec.max_tokens_per_mb,
+        cfg.actor.fsdp.param_dtype,
+        cfg.actor.optimizer.type,
+    )
 
 
 def _check_ports_free(processes: list, recipe: Path) -> None:

@@ -1,5 +1,13 @@
 """Usage: python scripts/bench_trainer.py [--preset tiny|small] [--steps 8] [--seqs 32] [--seq-len 96]
+       python scripts/bench_trainer.py --layout d2,t2,c2 [--preset small] [--seqs 4] [--seq-len 1024]
 
+With --layout: the trainer's step time and peak memory per rank (the largest peak RSS of
+any rank, which includes the ~0.4 GB every Python+torch process starts with) for each
+listed layout (fsdp:<layout>) against d1, in one run on the same model and batches. Each
+rank gets one thread, so layouts with more ranks than this machine has cores also show
+the cost of sharing them.
+
+Without --layout:
 Measures, in one run on the same model and batch:
   1. the 2-rank FSDP2 trainer step (real torchrun, gloo, 1 thread per rank) against a plain
      single-process loop (2 threads) running the same PPO math with no FSDP;
@@ -59,15 +67,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fsdp_steps(work: Path, model_dir: Path, batches: Path, steps: int, n_seqs: int) -> list[dict]:
+def fsdp_steps(
+    work: Path, model_dir: Path, batches: Path, steps: int, n_seqs: int, layout: str = "d2"
+) -> list[dict]:
+    from areal_cli.config.allocation import parse_allocation
+
+    allocation = f"embedded:d1+fsdp:{layout}"
+    nproc = parse_allocation(allocation).train.world_size
     config = {
         "experiment_name": "bench",
-        "trial_name": "t",
-        "allocation_mode": "embedded:d1+fsdp:d2",
+        "trial_name": layout,
+        "allocation_mode": allocation,
         "total_train_steps": steps,
         "cluster": {"fileroot": str(work / "runs")},
         "model": {"path": str(model_dir)},
-        "rollout": {"batch_size": n_seqs // 4, "group_size": 4},
+        "rollout": {"batch_size": max(1, n_seqs // 4), "group_size": min(4, n_seqs)},
         "recover": {"freq_steps": 0},
         "saver": {"freq_steps": steps},
     }
@@ -76,7 +90,7 @@ def fsdp_steps(work: Path, model_dir: Path, batches: Path, steps: int, n_seqs: i
     argv = [
         torchrun,
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -91,7 +105,9 @@ def fsdp_steps(work: Path, model_dir: Path, batches: Path, steps: int, n_seqs: i
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
     lines = (
-        (work / "runs" / "bench" / "t" / "logs" / "trainer-metrics.jsonl").read_text().splitlines()
+        (work / "runs" / "bench" / layout / "logs" / "trainer-metrics.jsonl")
+        .read_text()
+        .splitlines()
     )
     return [json.loads(line) for line in lines]
 
@@ -127,6 +143,39 @@ def dd_seconds(path: Path, n_bytes: int) -> float:
     return elapsed * n_bytes / (blocks * (4 << 20))
 
 
+def compare_layouts(args: argparse.Namespace) -> None:
+    """Step time and peak memory per rank of each layout against d1 (see the docstring)."""
+    from areal_cli.models.tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="areal-bench-layouts-"))
+    try:
+        model_dir = build_tiny_model(work / "model", preset=args.preset, seed=0)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        batch = make_batch(args.seqs, args.seq_len, vocab, group_size=min(4, args.seqs))
+        for step in range(args.steps):
+            write_batch(work / "batches", step, batch)
+        rows = {}
+        for layout in ["d1", *args.layout.split(",")]:
+            records = fsdp_steps(work, model_dir, work / "batches", args.steps, args.seqs, layout)
+            steady = records[1:] or records
+            rows[layout] = (
+                statistics.median(r["train_s"] for r in steady),
+                max(r["peak_rss_mb"] for r in records),
+            )
+        base_time, base_mem = rows["d1"]
+        print(
+            f"model: preset {args.preset}; batch {args.seqs} seqs x ~{args.seq_len} tokens; "
+            f"{args.steps} steps, median step time after the first"
+        )
+        print(f"{'layout':8s} {'step s':>8s} {'vs d1':>6s} {'peak MB/rank':>13s} {'vs d1':>6s}")
+        for layout, (step_s, mem) in rows.items():
+            print(
+                f"{layout:8s} {step_s:8.3f} {step_s / base_time:5.2f}x {mem:13.0f} {mem / base_mem:5.2f}x"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="FSDP2 step time and weight-publish time against baselines."
@@ -135,7 +184,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=96)
+    parser.add_argument("--layout", help="Compare these trainer layouts (comma-separated) with d1.")
     args = parser.parse_args()
+    if args.layout:
+        compare_layouts(args)
+        return
     from areal_cli.models.tiny_model import build_tiny_model
 
     work = Path(

@@ -32,13 +32,29 @@ def torch_dtype(name: str) -> Any:
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # model.path: builtin:NAME (areal_cli.models)
-# What validation needs to know of them before they are built: model_type and the
-# attention and key/value head counts (tests/inference/test_tiny_model.py checks these
-# against the presets).
+# Their config.json fields that validation and --dry-run need before they are built
+# (tests/inference/test_tiny_model.py checks them against a real build).
+_TINY = {
+    "model_type": "llama",
+    "vocab_size": 781,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
 BUILTIN_ARCHITECTURES = {
-    "tiny": ("llama", 4, 2),
-    "small": ("llama", 8, 4),
-    "tiny-arith": ("llama", 4, 2),
+    "tiny": _TINY,
+    "tiny-arith": _TINY,
+    "small": {
+        **_TINY,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
 }
 # Architectures with a tensor-parallel plan in the trainer, by config.json's model_type.
 TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")

@@ -343,27 +343,25 @@ def parallel_problem(config: dict, tp: int, cp: int = 1) -> str:
     return ""
 
 
+def model_config(path: str) -> dict | None:
+    """The model's config.json as a dict (a builtin's from BUILTIN_ARCHITECTURES), or None
+    when it is not on this machine."""
+    if path.startswith("builtin:"):
+        return BUILTIN_ARCHITECTURES.get(path.split(":", 1)[1])
+    config_file = Path(path) / "config.json"
+    try:
+        return json.loads(config_file.read_text()) if config_file.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
     """A trainer t > 1 needs a plan for the architecture; t and c must split the heads."""
     tp, cp = mode.train.tensor_parallel_size, mode.train.context_parallel_size
     if tp == 1 and cp == 1 or not c.valid("model.path"):
         return
     path = c.cfg.model.path
-    if path.startswith("builtin:"):
-        arch = BUILTIN_ARCHITECTURES.get(path.split(":", 1)[1])
-        config = (
-            dict(
-                zip(("model_type", "num_attention_heads", "num_key_value_heads"), arch, strict=True)
-            )
-            if arch
-            else None
-        )
-    else:
-        config_file = Path(path) / "config.json"
-        try:
-            config = json.loads(config_file.read_text()) if config_file.is_file() else None
-        except (OSError, ValueError):
-            config = None
+    config = model_config(path)
     if config is None:
         return  # reported by _check_model, or a plan for a model not on this machine
     problem = parallel_problem(config, tp, cp)

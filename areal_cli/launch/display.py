@@ -10,8 +10,11 @@ from rich.table import Table
 from areal_cli.launch.plan import REDACTED, LaunchPlan
 
 
-def print_plan(plan: LaunchPlan, console: Console, *, secret: str = "") -> None:
-    """Print processes, devices, ports, logs, command lines and directories."""
+def print_plan(
+    plan: LaunchPlan, console: Console, *, secret: str = "", trainer: list[str] | None = None
+) -> None:
+    """Print processes, devices, ports, logs, command lines, the trainer's layout (the
+    lines of `layout.describe`, when the model's sizes are known) and directories."""
     console.print(
         f"[bold]Launch plan[/bold] {plan.experiment_name}/{plan.trial_name}  "
         f"allocation [cyan]{plan.allocation_mode}[/cyan] on {plan.device_type}"
@@ -31,6 +34,10 @@ def print_plan(plan: LaunchPlan, console: Console, *, secret: str = "") -> None:
         console.print("  " + shlex.join(argv), soft_wrap=True, markup=False, highlight=False)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(proc.env.items()))
         console.print(f"  env: {env}", soft_wrap=True, markup=False, highlight=False)
+    if trainer:
+        console.print("[bold]Trainer layout[/bold]")
+        for line in trainer:
+            console.print("  " + line, markup=False, highlight=False)
     console.print("[bold]Directories[/bold] (created by a real run, not by --dry-run):")
     for directory in plan.dirs:
         console.print(f"  {directory}", markup=False, highlight=False)

@@ -54,12 +54,12 @@ def micro_batch(group: Any, size: int, seq_ids: torch.Tensor) -> Iterator[None]:
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i."""
-    from torch.distributed.nn.functional import all_to_all_single
+    """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i.
+    Differentiable: the backward is the same exchange in reverse."""
+    from torch.distributed import _functional_collectives as funcol
 
-    x = x.contiguous()
-    out = torch.empty_like(x)  # of x made contiguous: empty_like keeps a permuted x's strides
-    return all_to_all_single(out, x, group=group)
+    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def sequence_to_heads(x: torch.Tensor, ctx: _Context) -> torch.Tensor:

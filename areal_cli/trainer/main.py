@@ -233,6 +233,15 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
 
 
+def _peak_rss_mb() -> float:
+    """The largest peak resident memory of any rank so far, in MB (collective)."""
+    import resource
+
+    peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
+
+
 def run_one_step(
     step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir, beat, layout
 ) -> dict:
@@ -269,6 +278,7 @@ def run_one_step(
     )
     publish_s = time.perf_counter() - t1
     record = {
+        "peak_rss_mb": _peak_rss_mb(),
         "step": step,
         "weight_version": step + 1,
         **stats,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from areal_cli.config.loader import load_config
 from areal_cli.rundir import handoff
@@ -41,8 +42,17 @@ def main() -> None:
     if mesh.cp > 1:  # each cp rank scored a slice of the positions: put them together
         total = int(batch.seqlens.sum())
         logp, entropy = (_gather(x, layout.cp_group, mesh.cp)[:total] for x in (logp, entropy))
+    blocks = {}  # where each rank's block of two sample weights lies, as --dry-run says
+    for name in ("q_proj", "o_proj"):
+        weight = getattr(model.model.layers[0].self_attn, name).weight
+        shape, offset = compute_local_shape_and_global_offset(
+            weight.shape, weight.device_mesh, weight.placements
+        )
+        blocks[name] = (tuple(offset), tuple(shape))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, blocks)
     if dist.get_rank() == 0:
-        torch.save({"logp": logp, "entropy": entropy}, out / "logprobs.pt")
+        torch.save({"logp": logp, "entropy": entropy, "blocks": every}, out / "logprobs.pt")
     dist.barrier()
     exit_without_teardown()  # gloo's teardown can abort a finished rank
 

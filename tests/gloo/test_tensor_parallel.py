@@ -11,6 +11,7 @@ tensor-parallel shards (each rank writes its own block) at the same time.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,21 @@ def test_logprobs_match_one_rank(
     for key in ("logp", "entropy"):
         diff = float((found["single"][key] - found["split"][key]).abs().max())
         assert diff < 1e-5, (key, diff)
+    # --dry-run's table of who holds which block says what the trainer really does.
+    from areal_cli.config.allocation import parse_allocation
+    from areal_cli.launch.layout import ModelDims, sample_layer
+
+    train = parse_allocation(allocation).train
+    dims = ModelDims.from_config(json.loads((tp_model / "config.json").read_text()))
+    shown = sample_layer(
+        dims, nproc // (train.context_parallel_size * train.tensor_parallel_size),
+        train.context_parallel_size, train.tensor_parallel_size,
+    )  # fmt: skip
+    for rank, blocks in enumerate(found["split"]["blocks"]):
+        for name, ((r0, c0), (rows, cols)) in blocks.items():
+            line = f"  rank {rank}: rows {r0}:{r0 + rows}, columns {c0}:{c0 + cols}"
+            where = shown.index(next(x for x in shown if name in x))
+            assert line in shown[where : where + nproc + 1], (name, line, shown)
 
 
 RESUMED = ["t2", "c2", "t2c2"]

@@ -132,12 +132,21 @@ def test_demo_prompts_render_as_the_rollout_renders_dataset_rows(tiny_model_dir:
         assert prompt_ids(tokenizer, a, b) == format_prompt(tokenizer, row, DatasetConfig())
 
 
-def test_validation_knows_the_builtin_architectures() -> None:
-    """config.BUILTIN_ARCHITECTURES (read before any model is built) matches the presets."""
+def test_validation_knows_the_builtin_architectures(tiny_model_dir: Path) -> None:
+    """config.BUILTIN_ARCHITECTURES (read before any model is built) matches real builds:
+    the tiny model's config.json field for field, and the small preset's sizes."""
+    import json
+
     from areal_cli.config.schema import BUILTIN_ARCHITECTURES
     from areal_cli.models.tiny_model import PRESETS
 
-    for name, (model_type, heads, kv_heads) in BUILTIN_ARCHITECTURES.items():
-        preset = PRESETS["tiny" if name == "tiny-arith" else name]
-        assert model_type == "llama"
-        assert (heads, kv_heads) == (preset.num_attention_heads, preset.num_key_value_heads)
+    built = json.loads((tiny_model_dir / "config.json").read_text())
+    for name in ("tiny", "tiny-arith"):
+        assert {k: built[k] for k in BUILTIN_ARCHITECTURES[name]} == BUILTIN_ARCHITECTURES[name]
+    small, preset = BUILTIN_ARCHITECTURES["small"], PRESETS["small"]
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers"):
+        assert small[field] == getattr(preset, field)
+    assert (small["num_attention_heads"], small["num_key_value_heads"]) == (
+        preset.num_attention_heads,
+        preset.num_key_value_heads,
+    )
