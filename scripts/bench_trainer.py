@@ -160,18 +160,23 @@ def compare_layouts(args: argparse.Namespace) -> None:
             steady = records[1:] or records
             rows[layout] = (
                 statistics.median(r["train_s"] for r in steady),
+                max(r["state_mb"] for r in records),
+                max(r["activation_bytes"] for r in records) / 2**20,
                 max(r["peak_rss_mb"] for r in records),
             )
-        base_time, base_mem = rows["d1"]
         print(
             f"model: preset {args.preset}; batch {args.seqs} seqs x ~{args.seq_len} tokens; "
-            f"{args.steps} steps, median step time after the first"
+            f"{args.steps} steps, median step time after the first. Per rank (largest of any "
+            "rank): params + grads + optimizer state; bytes saved for backward by the largest "
+            "micro-batch; peak RSS (with the ~0.4 GB of any torch process)"
         )
-        print(f"{'layout':8s} {'step s':>8s} {'vs d1':>6s} {'peak MB/rank':>13s} {'vs d1':>6s}")
-        for layout, (step_s, mem) in rows.items():
-            print(
-                f"{layout:8s} {step_s:8.3f} {step_s / base_time:5.2f}x {mem:13.0f} {mem / base_mem:5.2f}x"
-            )
+        print(
+            f"{'layout':8s} {'step s':>14s} {'state MB':>15s} {'activations MB':>17s} {'peak RSS MB':>16s}"
+        )
+        base = rows["d1"]
+        for layout, row in rows.items():
+            cells = [f"{v:8.2f} {v / b:4.2f}x" for v, b in zip(row, base, strict=True)]
+            print(f"{layout:8s} " + "   ".join(cells))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -37,6 +37,16 @@ class _Context:
     group: Any
     size: int
     seq_ids: torch.Tensor  # [T]: the sequence of each token of the whole micro-batch
+    mask: torch.Tensor | None = None  # built by the first layer, shared by the others
+
+    def attention_mask(self, device: torch.device) -> torch.Tensor:
+        """[T, T] block-diagonal causal mask, built once per micro-batch: every layer
+        saves the same tensor for backward instead of one T x T mask each."""
+        if self.mask is None or self.mask.device != device:
+            ids = self.seq_ids.to(device)
+            causal = torch.ones(len(ids), len(ids), dtype=torch.bool, device=device).tril()
+            self.mask = causal & (ids[:, None] == ids[None, :])
+        return self.mask
 
 
 _current: _Context | None = None
@@ -98,9 +108,7 @@ def ulysses_attention(
     if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    ids = ctx.seq_ids.to(q.device)
-    causal = torch.ones(len(ids), len(ids), dtype=torch.bool, device=q.device).tril()
-    mask = causal & (ids[:, None] == ids[None, :])
+    mask = ctx.attention_mask(q.device)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return heads_to_sequence(out, ctx).transpose(1, 2).contiguous(), None
 

@@ -233,13 +233,23 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
 
 
-def _peak_rss_mb() -> float:
-    """The largest peak resident memory of any rank so far, in MB (collective)."""
+def _memory_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Per rank, the largest over ranks (collective): peak resident memory so far, and the
+    bytes of this rank's shards of parameters, gradients (as large) and optimizer state."""
     import resource
 
-    peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(peak)
+    def local_bytes(t: torch.Tensor) -> int:
+        local = getattr(t, "_local_tensor", t)
+        return local.numel() * local.element_size()
+
+    params = sum(local_bytes(p) for p in model.parameters())
+    state = sum(
+        local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    figures = torch.tensor([rss, 2 * params + state], dtype=torch.float64) / 2**20
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return {"peak_rss_mb": float(figures[0]), "state_mb": float(figures[1])}
 
 
 def run_one_step(
@@ -278,7 +288,7 @@ def run_one_step(
     )
     publish_s = time.perf_counter() - t1
     record = {
-        "peak_rss_mb": _peak_rss_mb(),
+        **_memory_mb(model, optimizer),
         "step": step,
         "weight_version": step + 1,
         **stats,

@@ -208,6 +208,36 @@ def seq_advantages(batch: RolloutBatch, cfg: TrainEngineConfig) -> torch.Tensor:
     )
 
 
+class _SavedForBackward:
+    """Counts the bytes autograd keeps for backward during a forward, each storage once
+    and parameters not at all: the activation memory of one micro-batch, exactly."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self) -> _SavedForBackward:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, nn.Parameter):
+            local = getattr(tensor, "_local_tensor", tensor)
+            try:
+                storage = local.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except RuntimeError:  # no storage of its own (a collective's pending result)
+                key, size = id(local), local.numel() * local.element_size()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += size
+        return tensor
+
+
 class _Stats:
     """Sums and maxima over a fixed set of keys, all-reduced once at the end of the step.
 
@@ -242,7 +272,7 @@ class _Stats:
 def _stat_keys(cfg: TrainEngineConfig) -> tuple[list[str], list[str]]:
     sums = ["loss", "loss_tokens", "tokens", "entropy_sum", "clip_frac_sum", "behav_logprob_sum"]
     sums += ["padding_fraction_sum", "replanned_shards", "empty_micro_batches"]
-    maxes = []
+    maxes = ["activation_bytes"]
     if cfg.kl_ctl > 0:
         sums.append("kl_sum")
     if cfg.use_decoupled_loss:
@@ -305,7 +335,9 @@ def train_step(
                 (_empty_forward(model, layout) * layout.data_world).backward()
                 continue
             seqs = [shard[i] for i in mb]
-            logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature, layout)
+            with _SavedForBackward() as saved:
+                logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature, layout)
+            stats.max("activation_bytes", saved.bytes)
             mask = t["loss_mask"].bool()
             # one more value (0) for the filler sequence a context-parallel micro-batch may end with
             values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
@@ -493,6 +525,7 @@ def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> di
         "reward_mean": float(batch.rewards.mean()) if batch.n_seqs else 0.0,
         "lr": optimizer.param_groups[0]["lr"],
     }
+    result["activation_bytes"] = out.pop("activation_bytes")  # largest micro-batch, any rank
     if "kl_sum" in out:
         result["kl"] = out.pop("kl_sum") / loss_tokens
     if "imp_weight_sum" in out:
