@@ -143,6 +143,7 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
         cfg.actor.mb_spec.max_tokens_per_mb,
         cfg.actor.fsdp.param_dtype,
         cfg.actor.optimizer.type,
+        cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens,  # the longest sequence
     )
 
 

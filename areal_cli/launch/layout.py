@@ -16,8 +16,11 @@ Memory per rank, in the model's dtype unless said (AdamW keeps two fp32 states):
   activations             tokens per micro-batch / c, per layer: 5 hidden + (q + k + v + o
                           outputs) / t + 4 intermediate / t values, plus the logits
                           (vocab / t per token, twice: logits and softmax), in fp32
-  attention scores        heads / (t x c) x tokens^2 fp32 per layer, only where the
-                          attention kernel materialises them (CPU, or no flash attention)
+  attention scores        heads / (t x c) x tokens x min(tokens, longest sequence) fp32 per
+                          layer, only where the attention kernel keeps them for backward
+                          (no flash kernel). Attention runs per packed sequence
+                          (areal_cli.trainer.attention), so a micro-batch's scores are
+                          sum(len^2) <= longest x tokens, not tokens^2
 The estimate shows which terms each layout divides: t divides parameters, gradients and
 optimizer states a second time and the per-token activations; c divides the activations.
 """
@@ -114,12 +117,14 @@ def memory_per_rank(
     tokens: int,
     dtype: str = "float32",
     optimizer: str = "adamw",
+    seq_len: int | None = None,
 ) -> dict[str, float]:
     """Bytes per rank of each term in the module docstring, and their total."""
     size = _BYTES[dtype]
     split, replicated = dims.split_and_replicated()
     shard = (split / tp + replicated) / (dp * cp)
     local_tokens = -(-tokens // cp)
+    span = min(tokens, seq_len or tokens)
     q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     per_token_layer = 5 * dims.hidden + (2 * q + 2 * kv) / tp + 4 * dims.intermediate / tp
     terms = {
@@ -128,21 +133,28 @@ def memory_per_rank(
         "optimizer": shard * 8 if optimizer == "adamw" else 0.0,
         "gathered block": dims.layer_weights() / tp * size,
         "activations": local_tokens * (dims.layers * per_token_layer + 2 * dims.vocab / tp) * 4,
-        "attention scores": dims.layers * dims.heads / (tp * cp) * tokens * tokens * 4,
+        "attention scores": dims.layers * dims.heads / (tp * cp) * tokens * span * 4,
     }
     terms["total"] = sum(terms.values())
     return terms
 
 
 def describe(
-    dims: ModelDims, dp: int, cp: int, tp: int, tokens: int, dtype: str, optimizer: str
+    dims: ModelDims,
+    dp: int,
+    cp: int,
+    tp: int,
+    tokens: int,
+    dtype: str,
+    optimizer: str,
+    seq_len: int | None = None,
 ) -> list[str]:
     """The lines --dry-run prints about the trainer's layout."""
     lines = [f"mesh dp {dp} x cp {cp} x tp {tp} = {dp * cp * tp} ranks:"]
     lines += ["  " + line for line in rank_grid(dp, cp, tp)]
     lines += sample_layer(dims, dp, cp, tp)
-    memory = memory_per_rank(dims, dp, cp, tp, tokens, dtype, optimizer)
-    base = memory_per_rank(dims, 1, 1, 1, tokens, dtype, optimizer)
+    memory = memory_per_rank(dims, dp, cp, tp, tokens, dtype, optimizer, seq_len)
+    base = memory_per_rank(dims, 1, 1, 1, tokens, dtype, optimizer, seq_len)
     lines.append(
         f"memory per rank (estimate; micro-batches of {tokens} tokens; {dtype}, {optimizer}):"
     )

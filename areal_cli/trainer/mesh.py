@@ -8,7 +8,7 @@ Megatron do, so a tensor-parallel group is a block of neighbouring ranks.
 Who does what:
   dp   ranks with different dp coordinates get different sequences of the batch;
   cp   ranks of one cp group split each micro-batch's tokens (Ulysses; see
-       context_parallel.py);
+       attention.py);
   tp   ranks of one tp group hold slices of the same layers and see the same tokens.
 FSDP2 shards parameters (and reduces gradients) over the dp x cp ranks that share a tp
 coordinate. Sums of per-token statistics are reduced over the same group, so the tp

@@ -115,11 +115,11 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
         raise ValueError(problem)
     if tmesh.tp > 1:
         apply_tensor_parallel(model, tmesh)
-    if tmesh.cp > 1:  # attention sees whole sequences through all-to-alls (Ulysses)
-        from areal_cli.trainer import context_parallel
+    # attention per packed sequence; with cp > 1, over whole sequences through all-to-alls
+    from areal_cli.trainer import attention
 
-        context_parallel.register()
-        model.config._attn_implementation = context_parallel.ATTENTION
+    attention.register(tmesh.cp)
+    model.config._attn_implementation = attention.ATTENTION
     mp = MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
     )

@@ -30,7 +30,6 @@ reduced over one rank per token (dp x cp), so tp replicas are not counted twice.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from torch import nn
 
 from areal_cli.config.schema import TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
-from areal_cli.trainer import losses
+from areal_cli.trainer import attention, losses
 from areal_cli.trainer.losses import VocabShard
 from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
@@ -122,9 +121,7 @@ def _label_space(tokens: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
 def _slice_for_context_parallel(mb: dict[str, torch.Tensor], layout: StepLayout) -> slice:
     """Pad the micro-batch to a multiple of cp with a filler sequence (no labels, no loss)
     and return this rank's slice of positions."""
-    from areal_cli.trainer import context_parallel as cpar
-
-    pad = cpar.pad_to_multiple(len(mb["input_ids"]), layout.cp_size)
+    pad = attention.pad_to_multiple(len(mb["input_ids"]), layout.cp_size)
     if pad:
         filler = {
             "input_ids": torch.zeros(pad, dtype=mb["input_ids"].dtype),
@@ -139,7 +136,7 @@ def _slice_for_context_parallel(mb: dict[str, torch.Tensor], layout: StepLayout)
         for key, extra in filler.items():
             mb[key] = torch.cat([mb[key], extra])
         mb["seq_counts"] = torch.cat([mb["seq_counts"], torch.ones(1)])  # the filler's (no loss)
-    return cpar.local_slice(len(mb["input_ids"]), layout.cp_size, layout.cp_rank)
+    return attention.local_slice(len(mb["input_ids"]), layout.cp_size, layout.cp_rank)
 
 
 def _forward_logprobs(
@@ -154,13 +151,8 @@ def _forward_logprobs(
     entropy, the per-position tensors of the slice, plus `seq_counts`)."""
     mb = _label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
-    here = slice(None)
-    context = contextlib.nullcontext()
-    if layout.cp_size > 1:
-        from areal_cli.trainer import context_parallel as cpar
-
-        here = _slice_for_context_parallel(mb, layout)
-        context = cpar.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"].to(device))
+    here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
+    context = attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"])
     local = {k: v[here].to(device) for k, v in mb.items() if k != "seq_counts"}
     with context:
         logits = (
@@ -185,12 +177,7 @@ def _empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
     reduce-scatters zeros."""
     device = next(model.parameters()).device
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-    context = contextlib.nullcontext()
-    if layout.cp_size > 1:
-        from areal_cli.trainer import context_parallel as cpar
-
-        context = cpar.micro_batch(layout.cp_group, layout.cp_size, torch.arange(layout.cp_size))
-    with context:
+    with attention.micro_batch(layout.cp_group, layout.cp_size, torch.arange(layout.cp_size)):
         logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
     return logits.float().sum() * 0.0
 

@@ -31,6 +31,8 @@ def test_each_dim_divides_what_it_should() -> None:
     assert c2["activations"] < one["activations"] * 0.51  # c splits the tokens
     assert c2["attention scores"] == pytest.approx(one["attention scores"] / 2)
     assert t2["gathered block"] == pytest.approx(one["gathered block"] / 2)
+    short = memory_per_rank(SMALL, 1, 1, 1, tokens=4096, seq_len=512)
+    assert short["attention scores"] == pytest.approx(one["attention scores"] / 8)  # per sequence
 
 
 def test_dry_run_prints_the_trainer_layout() -> None:
