@@ -128,7 +128,7 @@ def train(
 def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | None:
     """What --dry-run says of the trainer's mesh and memory, when the model's sizes are
     known here (a local or cached config.json, or a builtin)."""
-    from areal_cli.config.validate import model_config
+    from areal_cli.config.model_info import model_config
     from areal_cli.launch.layout import ModelDims, describe
 
     cfg, train = loaded.config, result.allocation.train if result.allocation else None
@@ -143,7 +143,10 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
         cfg.actor.mb_spec.max_tokens_per_mb,
         cfg.actor.fsdp.param_dtype,
         cfg.actor.optimizer.type,
-        cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens,  # the longest sequence
+        # the longest sequence
+        cfg.sft.max_len
+        if cfg.algorithm == "sft"
+        else cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens,
     )
 
 

@@ -11,7 +11,7 @@ into the engine with update_weights_from_disk, mirroring the disk weight handoff
 MODEL_DIR is the starting model (e.g. from scripts/make_demo_model.py). Everything else
 comes from the recipe: actor.* (optimizer, adv_estimator, eps_clip, decoupled loss, ...),
 rollout.batch_size / group_size, gconfig.*, dataset.* (same prompt order as the real
-run: areal_cli.rollout.data.PromptStream with dataset.seed), reward.fn and
+run: areal_cli.data.prompts.PromptStream with dataset.seed), reward.fn and
 total_train_steps. Override any of them with --set, using the recipe's own key paths,
 e.g. --set actor.optimizer.lr=3e-3 --set rollout.group_size=8, so that whatever works
 here can be copied into the recipe as is.
@@ -41,9 +41,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_cli.config.loader import load_config
+from areal_cli.data.prompts import PromptStream, load_prompts, prepare_prompts
 from areal_cli.inference.api import GenerateRequest
 from areal_cli.inference.engine import InferenceEngine
-from areal_cli.rollout.data import PromptStream, load_prompts, prepare_prompts
 from areal_cli.rollout.rewards import call_reward, resolve_reward
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer.main import build_optimizer

@@ -30,6 +30,15 @@ def torch_dtype(name: str) -> Any:
 # The one dtype table: the names recipes use; `torch_dtype` maps a name (or the short
 # alias convert-checkpoint accepts) to torch.<name>.
 DTYPES = ("float32", "bfloat16", "float16")
+# what a recipe trains (`algorithm`); sft needs no inference server
+ALGORITHMS = ("grpo", "sft")
+# the top-level sections and actor keys that only an RL algorithm reads
+RL_SECTIONS = ("rollout", "gconfig", "reward", "inference", "eval")
+RL_ACTOR_KEYS = (
+    "weight_update", "ppo_n_minibatches", "adv_estimator", "reward_scaling", "reward_bias",
+    "eps_clip", "eps_clip_higher", "use_decoupled_loss", "behav_imp_weight_cap", "kl_ctl",
+    "kl_estimator", "loss_agg_mode",
+)  # fmt: skip
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # model.path: builtin:NAME (areal_cli.models)
 # Their config.json fields that validation and --dry-run need before they are built
@@ -284,6 +293,40 @@ class TrainerConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning (algorithm: sft) on the `dataset` rows: the loss on answer
+    tokens (areal_cli.trainer.sft)."""
+
+    batch_size: int = field(32, "Examples per step, over all trainer ranks.", ge=1)
+    max_len: int = field(
+        1024, "Examples longer than this many tokens (prompt and answer) are skipped.", ge=2
+    )
+    messages_key: str = field(
+        "",
+        "Column of chat conversations ([{role, content}]), trained on the assistant turns; empty: prompt/answer rows (dataset.prompt_key, dataset.answer_key).",
+    )
+    label_smoothing: float = field(
+        0.0,
+        "Target weight moved from each answer token to the smoothing support, spread evenly.",
+        ge=0,
+        lt=1,
+    )
+    smoothing_support: str = field(
+        "vocab",
+        "Tokens label smoothing spreads over: vocab (all), or targets (the tokens that occur as targets in the training set).",
+        choices=("vocab", "targets"),
+    )
+    eval_path: str = field(
+        "",
+        "Held-out rows (.jsonl or .parquet, the dataset's columns); empty: no eval loss.",
+        path=True,
+    )
+    eval_freq_steps: int = field(
+        10, "Held-out loss every this many steps, and after the last one.", ge=1
+    )
+
+
+@dataclass
 class ParallelStrategy:
     """One side of an allocation: data, tensor, pipeline and context parallel sizes."""
 
@@ -530,6 +573,11 @@ class ExperimentConfig:
     allocation_mode: str = field(
         "", "Devices per component, e.g. sglang:d4t1+fsdp:d4 or embedded:d1+fsdp:d2."
     )
+    algorithm: str = field(
+        "grpo",
+        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss) or sft (supervised on dataset answers; no inference server).",
+        choices=ALGORITHMS,
+    )
     seed: int = field(1, "Global seed of the trainer and the rollout loop.", ge=0)
     total_train_steps: int = field(100, "Trainer steps to run.", ge=1)
     cluster: ClusterSpecConfig = sub(ClusterSpecConfig)
@@ -537,6 +585,7 @@ class ExperimentConfig:
     model: ModelConfig = sub(ModelConfig)
     actor: TrainEngineConfig = sub(TrainEngineConfig)
     trainer: TrainerConfig = sub(TrainerConfig)
+    sft: SFTConfig = sub(SFTConfig)
     rollout: RolloutConfig = sub(RolloutConfig)
     gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
     dataset: DatasetConfig = sub(DatasetConfig)

@@ -18,11 +18,12 @@ from pathlib import Path
 from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
 from areal_cli.config.errors import ConfigErrors, ConfigProblem
 from areal_cli.config.loader import LoadedConfig, is_hub_id
+from areal_cli.config.model_info import cached_snapshot, model_config, parallel_problem
 from areal_cli.config.recipe_code import find_module_file
 from areal_cli.config.schema import (
-    BUILTIN_ARCHITECTURES,
     BUILTIN_MODELS,
-    TP_MODEL_TYPES,
+    RL_ACTOR_KEYS,
+    RL_SECTIONS,
     ExperimentConfig,
 )
 
@@ -87,12 +88,25 @@ def check_config(
     key in `invalid` (already reported by the loader) are skipped."""
     c = _Checker(loaded, invalid)
     _check_names(c)
-    mode = _check_allocation(c, command) if c.valid("allocation_mode") else None
+    supervised = c.cfg.algorithm == "sft" and command != "eval"
+    if supervised:
+        _check_role_keys(c)
+    mode = _check_allocation(c, command, supervised) if c.valid("allocation_mode") else None
     c.result.allocation = mode
     if mode is not None:
         _check_devices(c, mode)
-        if mode.train is not None:
+        if mode.train is not None and not supervised:
             _check_batch(c, mode)
+    if supervised:
+        _check_sft(c, launch)
+        _check_planned(c)
+        if c.valid("model"):
+            _check_model(c, launch)
+            if mode is not None and mode.train is not None and c.valid("allocation_mode"):
+                _check_tensor_parallel(c, mode)
+        return c.result
+    if c.cfg.algorithm != "sft" and ("sft",) in c.loaded.locations:
+        c.error("sft", "is only read by algorithm: sft", "remove it, or set algorithm: sft")
     _check_rollout(c)
     if c.valid("model"):
         _check_model(c, launch)
@@ -136,12 +150,26 @@ def _check_names(c: _Checker) -> None:
             )
 
 
-def _check_allocation(c: _Checker, command: str) -> AllocationMode | None:
+def _check_allocation(c: _Checker, command: str, supervised: bool) -> AllocationMode | None:
     try:
         mode = parse_allocation(c.cfg.allocation_mode)
     except AllocationError as exc:
         c.error("allocation_mode", exc.message, exc.fix)
         return None
+    if supervised:
+        if mode.inference is not None:
+            c.error(
+                "allocation_mode",
+                f"algorithm: sft starts no inference server, but '{c.cfg.allocation_mode}' has one",
+                f"give the trainer only, e.g. allocation_mode: {_train_part(c.cfg.allocation_mode)}",
+            )
+        if mode.train is None:
+            c.error(
+                "allocation_mode",
+                f"'{c.cfg.allocation_mode}' has no trainer component",
+                "give one, e.g. allocation_mode: fsdp:d2",
+            )
+        return mode
     if mode.inference is None:
         c.error(
             "allocation_mode",
@@ -161,6 +189,37 @@ def _check_allocation(c: _Checker, command: str) -> AllocationMode | None:
             "use sglang (GPU) or embedded",
         )
     return mode
+
+
+def _train_part(allocation: str) -> str:
+    parts = [p for p in allocation.split("+") if p.startswith("fsdp:")]
+    return parts[0] if parts else "fsdp:d2"
+
+
+def _check_role_keys(c: _Checker) -> None:
+    """Under algorithm: sft, a key that only RL reads is an error (it would be ignored)."""
+    seen: set[str] = set()
+    for path in c.loaded.locations:
+        if path[0] in RL_SECTIONS:
+            key = path[0]
+        elif path[0] == "actor" and len(path) > 1 and path[1] in RL_ACTOR_KEYS:
+            key = f"actor.{path[1]}"
+        else:
+            continue
+        if key not in seen:
+            seen.add(key)
+            c.error(
+                key,
+                "is not used by algorithm: sft (it trains on the dataset's answers, with no rollouts or inference server)",
+                "remove it, or set algorithm: grpo",
+            )
+
+
+def _check_sft(c: _Checker, launch: bool) -> None:
+    if c.valid("dataset"):
+        _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
+    if c.valid("sft.eval_path") and c.cfg.sft.eval_path:
+        _check_dataset(c, "sft.eval_path", c.cfg.sft.eval_path, launch, required=False)
 
 
 def _check_devices(c: _Checker, mode: AllocationMode) -> None:
@@ -319,42 +378,6 @@ def _check_rollout_sizes(c: _Checker) -> None:
         )
 
 
-def parallel_problem(config: dict, tp: int, cp: int = 1) -> str:
-    """Why a model (its config.json as a dict) cannot be split over `tp` tensor-parallel
-    and `cp` context-parallel ranks, or ''. Tensor parallelism needs a plan for the
-    architecture and splits the heads; Ulysses context parallelism then splits each tp
-    rank's heads again."""
-    heads = config.get("num_attention_heads", 0)
-    kv_heads = config.get("num_key_value_heads") or heads
-    if tp > 1:
-        model_type = config.get("model_type", "?")
-        if model_type not in TP_MODEL_TYPES:
-            return (
-                f"the trainer has no tensor-parallel plan for model_type '{model_type}' "
-                f"(supported: {', '.join(TP_MODEL_TYPES)})"
-            )
-        if heads % tp or kv_heads % tp:
-            return f"t{tp} does not divide the model's {heads} attention and {kv_heads} key/value heads"
-    if cp > 1 and ((heads // tp) % cp or (kv_heads // tp) % cp):
-        return (
-            f"c{cp} does not divide the {heads // tp} attention and {kv_heads // tp} key/value "
-            f"heads of each tensor-parallel rank (t{tp})"
-        )
-    return ""
-
-
-def model_config(path: str) -> dict | None:
-    """The model's config.json as a dict (a builtin's from BUILTIN_ARCHITECTURES), or None
-    when it is not on this machine."""
-    if path.startswith("builtin:"):
-        return BUILTIN_ARCHITECTURES.get(path.split(":", 1)[1])
-    config_file = Path(path) / "config.json"
-    try:
-        return json.loads(config_file.read_text()) if config_file.is_file() else None
-    except (OSError, ValueError):
-        return None
-
-
 def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
     """A trainer t > 1 needs a plan for the architecture; t and c must split the heads."""
     tp, cp = mode.train.tensor_parallel_size, mode.train.context_parallel_size
@@ -430,19 +453,6 @@ def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str)
     return None
 
 
-def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
-    """The snapshot folder that the local Hugging Face cache's refs/main points to for
-    `repo_id` (HF_HOME / HF_HUB_CACHE honoured), or None when it is not cached. Asks
-    huggingface_hub's cache API with local_files_only, so it never touches the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, repo_type=repo_type, local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError, OSError):
-        return None
-
-
 def _check_tokenizer_fits(c: _Checker, config_file: Path, tok_dir: Path) -> None:
     """The tokenizer must not produce ids beyond the model's embedding table."""
     tok_file = tok_dir / "tokenizer.json"
@@ -478,7 +488,7 @@ def _check_dataset(c: _Checker, key: str, path: str, launch: bool, *, required: 
         if required:
             c.error(f"{key}.path", "is required", "give a .jsonl or .parquet file")
         return
-    dtype = c.cfg.dataset.type if key == "dataset" else c.cfg.eval.dataset.type
+    dtype = c.cfg.eval.dataset.type if key == "eval.dataset" else c.cfg.dataset.type
     if Path(path).exists():
         suffix = Path(path).suffix
         if (
@@ -487,12 +497,17 @@ def _check_dataset(c: _Checker, key: str, path: str, launch: bool, *, required: 
             and not Path(path).is_dir()
         ):
             c.error(
-                f"{key}.path",
+                _path_key(key),
                 f"cannot tell the format of '{Path(path).name}' from its extension",
-                f"set {key}.type to jsonl or parquet",
+                f"set {'dataset' if key.endswith('_path') else key}.type to jsonl or parquet",
             )
         return
-    _local_or_cached(c, f"{key}.path", path, launch, "dataset")
+    _local_or_cached(c, _path_key(key), path, launch, "dataset")
+
+
+def _path_key(key: str) -> str:
+    """The recipe key of a dataset's path: SECTION.path, or the key itself (sft.eval_path)."""
+    return key if key.endswith("_path") else f"{key}.path"
 
 
 def _check_callable(

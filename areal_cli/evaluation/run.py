@@ -218,8 +218,8 @@ async def _score_all(
     from transformers import AutoTokenizer
 
     from areal_cli.config.schema import GenerationHyperparameters
+    from areal_cli.data.prompts import load_prompts, prepare_prompts
     from areal_cli.inference.client import InferenceClient
-    from areal_cli.rollout.data import load_prompts, prepare_prompts
     from areal_cli.rollout.rewards import RewardPool
     from areal_cli.rollout.workflows import EpisodeClient
 

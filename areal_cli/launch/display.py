@@ -22,9 +22,11 @@ def print_plan(
     table = Table(show_lines=False)
     for column in ("process", "role", "devices", "ports", "log"):
         table.add_column(column, overflow="fold")
-    table.add_row(
-        "controller", "this process (areal train)", "-", "-", f"{plan.run_dir}/logs/controller.log"
-    )
+    controller = "this process (areal train)"
+    if plan.algorithm == "sft":
+        console.print("algorithm sft: no inference server; the trainer reads the dataset itself")
+        controller += ", follows the trainer"
+    table.add_row("controller", controller, "-", "-", f"{plan.run_dir}/logs/controller.log")
     for proc in plan.processes:
         table.add_row(proc.name, proc.role, proc.devices, ",".join(map(str, proc.ports)), proc.log)
     console.print(table)

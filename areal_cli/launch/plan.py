@@ -61,6 +61,7 @@ class LaunchPlan:
     dirs: list[str]
     files: list[str]
     processes: list[ProcessSpec]
+    algorithm: str = "grpo"
 
     def to_dict(self, *, secret: str = "") -> dict:
         """A JSON-ready dict; `secret` (an API key) is replaced by <redacted>."""
@@ -117,6 +118,7 @@ def build_plan(
             for f in ("config.yaml", "plan.json", "metrics.jsonl", "logs/controller.log")
         ],
         processes=processes,
+        algorithm=cfg.algorithm,
     )
 
 
@@ -134,6 +136,8 @@ def _assign_devices(
     cores = list(range(n_cpus))
     if mode.train is None:
         return _split(cores, n_servers), []
+    if n_servers == 0:  # a role with no inference server (sft): the trainer takes every core
+        return [], cores
     n_inference = max(n_servers, min(n_cpus - 1, n_cpus // 2))
     return _split(cores[:n_inference], n_servers), cores[n_inference:] or cores[-1:]
 

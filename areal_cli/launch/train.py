@@ -4,7 +4,9 @@ Setup: create the run directory and write config.yaml and plan.json (areal_cli.r
 build a builtin model into RUN/model, and start every process of the plan (servers and
 the torchrun trainer) through the local runner.
 
-Then the controller's rollout loop runs (areal_cli.rollout.controller) with two hooks
+With `algorithm: sft` there is no server and no rollout loop: the controller follows the
+trainer (areal_cli.launch.follow), with the same watchdog. Otherwise
+the controller's rollout loop runs (areal_cli.rollout.controller) with two hooks
 from here: one returns when the trainer has exited cleanly and raises as soon as any
 child dies; the other is the progress watchdog (areal_cli.launch.watchdog), which reads
 the trainer ranks' heartbeats and the client's request counters and stops a run that
@@ -95,6 +97,18 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
         sink.start(cfg, start_step)
+        if cfg.algorithm == "sft":  # no rollouts: follow the trainer, which reads its data
+            from areal_cli.launch.follow import follow_trainer
+
+            follow = follow_trainer(
+                run_dir,
+                sink,
+                until_trainer_done=lambda: _trainer_done(runner),
+                guards=[watch(cfg, run_dir, None, {}, lambda: "no rollouts (algorithm: sft)")],
+            )
+            asyncio.run(follow)
+            sink.finish(run_dir)
+            return 0
         loop = run_loop(
             loaded,
             run_dir,

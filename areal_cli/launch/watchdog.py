@@ -221,14 +221,15 @@ async def watch(
 ) -> None:
     """Check once every `poll_s`; raise RunStuck, naming what is stuck, when the run stops
     making progress. `client` is the controller's InferenceClient (its `activity()` and
-    `health()`), `names` maps server addresses to process names."""
+    `health()`), or None for a role with no server; `names` maps server addresses to
+    process names."""
     dog = ProgressWatchdog(cfg, time.time())
     while True:
         await asyncio.sleep(poll_s)
         beats = heartbeat.read_all(run_dir, "trainer-")
         servers = [
             ServerActivity(names[address], pending, last_done)
-            for address, pending, last_done in client.activity()
+            for address, pending, last_done in (client.activity() if client else [])
         ]
         stuck = dog.check(beats, servers, time.time())
         if stuck is None:
@@ -241,7 +242,7 @@ async def watch(
                 f"{stuck.headline}: {explained or stuck.detail}. Stacks: "
                 f"{run_dir / heartbeat.HEARTBEAT_DIR}/trainer-*.stack; log: {logs / 'trainer.log'}"
             )
-        health = await client.health()
+        health = await client.health() if client else {}
         down = [names[address] for address, ok in health.items() if not ok]
         sick = f"; not answering /health: {', '.join(down)}" if down else ""
         raise RunStuck(f"{stuck.message}{sick}; {describe_rollouts()}. Logs: {logs}")

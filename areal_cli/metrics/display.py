@@ -24,6 +24,7 @@ SHOWN = (
     "staleness_mean",
     "gen_tokens_per_s",
     "loss",
+    "eval_loss",
     "trainer_step_s",
     "handoff_latency_s",
 )
@@ -110,7 +111,10 @@ class Sink:
         if not history:
             return
         self.console.print(summary_table(history, time.monotonic() - self._started))
-        path = plot_reward_curve(history, run_dir / "reward_curve.png")
+        if any("reward_mean" in h for h in history):
+            path = plot_reward_curve(history, run_dir / "reward_curve.png")
+        else:  # a supervised role
+            path = plot_loss_curve(history, run_dir / "loss_curve.png")
         self.console.print(f"metrics: {run_dir / 'metrics.jsonl'}   curve: {path}", markup=False)
 
     def _log_line(self, text: str) -> None:
@@ -166,6 +170,12 @@ def open_log(path: Path):
 
 
 def _format(m: dict[str, float]) -> str:
+    if "reward_mean" not in m:  # a supervised role: no rollouts
+        parts = [f"loss {m.get('loss', float('nan')):.4f}"]
+        if "eval_loss" in m:
+            parts.append(f"eval_loss {m['eval_loss']:.4f}")
+        parts.append(f"train {m.get('trainer_step_s', 0):.2f}s")
+        return "  ".join(parts)
     parts = [
         f"reward {m.get('reward_mean', float('nan')):.3f}",
         f"stale {m.get('staleness_mean', 0):.2f}/{m.get('staleness_max', 0):.0f}",
@@ -231,6 +241,38 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
     ax.set_ylim(-0.05, 1.05 if max(mean, default=1) <= 1 else None)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    return _save(fig, path)
+
+
+def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
+    """RUN/loss_curve.png for a supervised role: training loss per step, and the
+    held-out loss where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot([h["step"] + 1 for h in history], [h["loss"] for h in history], label="loss")
+    held = [h for h in history if "eval_loss" in h]
+    if held:
+        ax.plot(
+            [h["step"] + 1 for h in held],
+            [h["eval_loss"] for h in held],
+            marker="o",
+            label="held-out loss",
+        )
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("loss per target token")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """Write the figure atomically (a temp file, then a rename) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)

@@ -4,7 +4,7 @@ that GRPO has a signal to use.
 
 A randomly initialised model never writes "number then EOS", so every sample would score 0
 and RL would have nothing to learn from. The warm-up trains on prompts rendered with the
-tokenizer's chat template (exactly as areal_cli.rollout.data formats dataset rows) with the
+tokenizer's chat template (exactly as areal_cli.data.prompts formats dataset rows) with the
 answer tokens and EOS as targets, under label smoothing restricted to the answer alphabet:
 each target token gets 1 - F of the mass and F is spread evenly over the ten digits and
 EOS. The model therefore learns the format and puts the most mass on the correct sum

@@ -45,8 +45,8 @@ from areal_cli.rundir.layout import initial_model_path
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from areal_cli.data.prompts import Prompt, PromptStream
     from areal_cli.inference.client import InferenceClient
-    from areal_cli.rollout.data import Prompt, PromptStream
     from areal_cli.rollout.rewards import RewardPool
 
 
@@ -359,11 +359,11 @@ async def metrics_task(
 ) -> None:
     """Join trainer stats and rollout stats per step into metrics.jsonl and the display."""
     trainer_file = ctx.run_dir / "logs" / "trainer-metrics.jsonl"
-    done = _steps_in(ctx.run_dir / "metrics.jsonl")
+    done = steps_in(ctx.run_dir / "metrics.jsonl")
     pending: dict[int, dict] = {}
     offset = 0
     while True:
-        lines, offset = _read_new_lines(trainer_file, offset)
+        lines, offset = read_new_lines(trainer_file, offset)
         for line in lines:
             record = json.loads(line)
             if record["step"] not in done:
@@ -394,13 +394,13 @@ def build_metrics(trainer: dict, rollout: dict, handoff_stats: dict) -> dict[str
     return out
 
 
-def _steps_in(path: Path) -> set[int]:
+def steps_in(path: Path) -> set[int]:
     if not path.exists():
         return set()
     return {json.loads(line)["step"] for line in path.read_text().splitlines() if line}
 
 
-def _read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
+def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
     """Complete lines appended to `path` since `offset`."""
     if not path.exists():
         return [], offset
@@ -431,8 +431,8 @@ async def run_loop(
     `guards(client, state)` run beside the tasks, and any of them raising stops the loop."""
     import datasets
 
+    from areal_cli.data.prompts import PromptStream, load_prompts, prepare_prompts
     from areal_cli.inference.client import InferenceClient
-    from areal_cli.rollout.data import PromptStream, load_prompts, prepare_prompts
     from areal_cli.rollout.rewards import RewardPool
 
     datasets.disable_progress_bars()
@@ -484,7 +484,7 @@ async def run_loop(
                 tasks = [t for t in tasks if not t.done()]
             done_task.result()
             await asyncio.sleep(0.3)  # let the metrics task read the trainer's last line
-            lines, _ = _read_new_lines(run_dir / "logs" / "trainer-metrics.jsonl", 0)
+            lines, _ = read_new_lines(run_dir / "logs" / "trainer-metrics.jsonl", 0)
             await _drain_metrics(ctx, state, sink, len(lines))
         finally:
             for task in [*tasks, done_task]:
@@ -499,7 +499,7 @@ async def _drain_metrics(
     ctx: RolloutContext, state: LoopState, sink: StepSink, expected: int, timeout_s: float = 30.0
 ) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(_steps_in(ctx.run_dir / "metrics.jsonl")) < expected and time.monotonic() < deadline:
+    while len(steps_in(ctx.run_dir / "metrics.jsonl")) < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
 
 

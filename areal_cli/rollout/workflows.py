@@ -125,7 +125,7 @@ class EpisodeClient:
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended."""
-        from areal_cli.rollout.data import chat_ids
+        from areal_cli.data.prompts import chat_ids
 
         return chat_ids(self.tokenizer, messages)
 

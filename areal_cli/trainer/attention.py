@@ -126,8 +126,12 @@ def packed_attention(
         value = value.repeat_interleave(groups, dim=1)
     pieces = [
         F.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-            dropout_p=dropout, scale=scaling, is_causal=True,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=True,
         )
         for a, b in spans
     ]

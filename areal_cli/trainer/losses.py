@@ -429,3 +429,18 @@ def entropy_from_logits(
     if vocab is not None:
         expected = _SumOverShards.apply(expected, vocab.group)
     return lse - expected
+
+
+def support_logprob_mean(
+    logits: torch.Tensor, support: torch.Tensor, vocab: VocabShard | None = None
+) -> torch.Tensor:
+    """Per position, the mean over the token ids in `support` of log_softmax(logits): the
+    spread term of label smoothing, read from whichever shard holds each id."""
+    z = _upcast(logits)
+    if vocab is None:
+        total = z[..., support].sum(-1)
+    else:
+        local = support - vocab.start
+        local = local[(local >= 0) & (local < z.shape[-1])]
+        total = _SumOverShards.apply(z[..., local].sum(-1), vocab.group)
+    return total / len(support) - _logsumexp(z, vocab)

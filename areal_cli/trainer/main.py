@@ -9,6 +9,9 @@ Setup, then the loop, then cleanup:
   loop    for each step s: wait for RUN/rollouts/step-s (or DIR/step-s with --batches),
           train, publish weights RUN/weights/v{s+1}, append one line of stats to
           RUN/logs/trainer-metrics.jsonl, and every recover.freq_steps write RUN/recover.
+          With algorithm: sft the batch is step s's examples of the dataset (see
+          areal_cli.trainer.sft), with the held-out loss every sft.eval_freq_steps, and
+          nothing is published (there is no server).
   cleanup final HF checkpoint under RUN/checkpoints when saver says so; destroy the group.
 
 Each rank reports the phase it is in to RUN/heartbeat/trainer-<rank>.json (see
@@ -178,7 +181,18 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         ).eval()
         ref_model.requires_grad_(False)
     optimizer, scheduler = build_optimizer(model, cfg)
-    layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    layout = step_layout(mesh, vocab_size)
+    data = None
+    if cfg.algorithm == "sft":
+        from areal_cli.trainer.sft import SFTData
+
+        beat.phase("tokenize dataset")
+        data = SFTData.from_config(cfg, model_dir, vocab_size)
+        print0(
+            f"[trainer] sft: {len(data.train)} examples ({data.train.skipped} longer than "
+            f"sft.max_len skipped), {len(data.eval) if data.eval else 0} held out"
+        )
     start = 0
     if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
         beat.phase(f"load {entry.path.name}")
@@ -186,22 +200,26 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"] + 1
         beat.steps_done = start
-        # Republish the restored weights so the servers continue from exactly them.
-        meta = {"step": start - 1, "resumed": True}
-        checkpoint.export_hf(
-            run_dir / "weights",
-            f"v{start}",
-            start,
-            model,
-            model_dir,
-            meta,
-            cfg.actor.weight_update.keep_last,
-        )
+        if data is None:  # republish the restored weights: servers continue from exactly them
+            meta = {"step": start - 1, "resumed": True}
+            checkpoint.export_hf(
+                run_dir / "weights",
+                f"v{start}",
+                start,
+                model,
+                model_dir,
+                meta,
+                cfg.actor.weight_update.keep_last,
+            )
         print0(f"[trainer] resumed from {entry.path} at step {start}")
     last = min(
         cfg.total_train_steps, args.steps if args.steps is not None else cfg.total_train_steps
     )
     for step in range(start, last):
+        if data is not None:
+            record = run_sft_step(step, cfg, model, optimizer, scheduler, data, beat, layout, last)
+            finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat)
+            continue
         run_one_step(
             step,
             cfg,
@@ -296,6 +314,51 @@ def run_one_step(
         "wait_s": waited,
         "publish_s": publish_s,
     }
+    finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat)
+    print0(
+        f"[trainer] step {step} loss {stats['loss']:+.4f} grad_norm {stats['grad_norm']:.3f} "
+        f"clip {stats['clip_frac']:.3f} entropy {stats['entropy']:.3f} tokens {int(stats['tokens'])} "
+        f"train {train_s:.2f}s wait {waited:.2f}s publish {publish_s:.2f}s"
+    )
+    beat.step_s = time.perf_counter() - step_start
+    return record
+
+
+def run_sft_step(step, cfg, model, optimizer, scheduler, data, beat, layout, last) -> dict:
+    """Train on step `step`'s examples; the held-out loss when it is due."""
+    from areal_cli.trainer.sft import eval_loss, sft_step, step_indices
+
+    start = time.perf_counter()
+    beat.phase(f"step {step}: batch")
+    index = step_indices(
+        len(data.train), cfg.sft.batch_size, step, cfg.dataset.seed, cfg.dataset.shuffle
+    )
+    stats = sft_step(
+        model,
+        optimizer,
+        scheduler,
+        data.train.batch(index),
+        cfg,
+        data.support,
+        layout,
+        lambda phase: beat.phase(f"step {step}: {phase}"),
+    )
+    record = {**_memory_mb(model, optimizer), "step": step, **stats}
+    record["train_s"] = time.perf_counter() - start
+    line = f"[trainer] step {step} loss {stats['loss']:.4f} grad_norm {stats['grad_norm']:.3f}"
+    if data.eval is not None and ((step + 1) % cfg.sft.eval_freq_steps == 0 or step + 1 == last):
+        record["eval_loss"] = eval_loss(
+            model, data.eval, cfg.actor, layout, lambda p: beat.phase(f"step {step}: {p}")
+        )
+        line += f" eval_loss {record['eval_loss']:.4f}"
+    print0(line + f" train {record['train_s']:.2f}s")
+    beat.step_s = time.perf_counter() - start
+    return record
+
+
+def finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat) -> None:
+    """After a step's update: recover and saver checkpoints when due, then the step's line
+    in RUN/logs/trainer-metrics.jsonl (rank 0)."""
     if cfg.recover.freq_steps and (step + 1) % cfg.recover.freq_steps == 0:
         beat.phase(f"step {step}: save recover checkpoint")
         t2 = time.perf_counter()
@@ -319,14 +382,7 @@ def run_one_step(
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-    print0(
-        f"[trainer] step {step} loss {stats['loss']:+.4f} grad_norm {stats['grad_norm']:.3f} "
-        f"clip {stats['clip_frac']:.3f} entropy {stats['entropy']:.3f} tokens {int(stats['tokens'])} "
-        f"train {train_s:.2f}s wait {waited:.2f}s publish {publish_s:.2f}s"
-    )
     beat.steps_done = step + 1
-    beat.step_s = time.perf_counter() - step_start
-    return record
 
 
 if __name__ == "__main__":

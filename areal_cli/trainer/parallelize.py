@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from areal_cli.config.model_info import parallel_problem
 from areal_cli.config.schema import FSDPEngineConfig, torch_dtype
-from areal_cli.config.validate import parallel_problem
 from areal_cli.trainer.mesh import TrainerMesh
 
 # The plan of every architecture in TP_MODEL_TYPES: all are Llama-shaped (Qwen2 adds q/k/v

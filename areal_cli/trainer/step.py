@@ -139,16 +139,18 @@ def _slice_for_context_parallel(mb: dict[str, torch.Tensor], layout: StepLayout)
     return attention.local_slice(len(mb["input_ids"]), layout.cp_size, layout.cp_rank)
 
 
-def _forward_logprobs(
+def forward_logprobs(
     model: nn.Module,
     batch: RolloutBatch,
     seqs: list[int],
     temperature: float,
     layout: StepLayout,
+    support: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Packed forward over `seqs`, in label space (`_label_space`); with context
     parallelism, over this rank's slice of the positions. Returns (logprobs of the labels,
-    entropy, the per-position tensors of the slice, plus `seq_counts`)."""
+    entropy, the per-position tensors of the slice, plus `seq_counts`, and with `support`
+    (token ids) `support_logp`: each position's mean logprob over them)."""
     mb = _label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
     here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
@@ -168,10 +170,14 @@ def _forward_logprobs(
     with torch.no_grad():
         entropy = losses.entropy_from_logits(logits.detach(), temperature, layout.vocab)
     local["seq_counts"] = mb["seq_counts"].to(device)
+    if support is not None:
+        local["support_logp"] = losses.support_logprob_mean(
+            logits, support.to(device), layout.vocab
+        )
     return logp, entropy, local
 
 
-def _empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
+def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
     """The forward of an empty micro-batch: one token (per context-parallel rank), so every
     FSDP unit gathers its parameters; returns a zero connected to them, whose backward
     reduce-scatters zeros."""
@@ -225,7 +231,7 @@ class _SavedForBackward:
         return tensor
 
 
-class _Stats:
+class Stats:
     """Sums and maxima over a fixed set of keys, all-reduced once at the end of the step.
 
     The keys come from the config, never from what a rank happened to see, so every rank
@@ -291,7 +297,7 @@ def train_step(
     temperature = temperature if temperature > 0 else 1.0
     adv_seq = seq_advantages(batch, cfg)
     n_minibatches = cfg.ppo_n_minibatches
-    stats = _Stats(*_stat_keys(cfg))
+    stats = Stats(*_stat_keys(cfg))
     minibatches = [list(split_range(batch.n_seqs, n_minibatches, m)) for m in range(n_minibatches)]
     shards = [
         [mb[i] for i in split_range(len(mb), layout.dp_size, layout.dp_rank)] for mb in minibatches
@@ -314,16 +320,16 @@ def train_step(
             if scheduler is not None:
                 scheduler.step()
             continue
-        normalizer = _global_normalizer(batch, minibatch, cfg.loss_agg_mode)
+        normalizer = global_normalizer(batch, minibatch, cfg.loss_agg_mode)
         n_mbs = len(plan.micro_batches)
         for j, mb in enumerate(plan.micro_batches):
             beat(f"train mb {j + 1}/{n_mbs}" + _of(m, n_minibatches))
             if not mb:
-                (_empty_forward(model, layout) * layout.data_world).backward()
+                (empty_forward(model, layout) * layout.data_world).backward()
                 continue
             seqs = [shard[i] for i in mb]
             with _SavedForBackward() as saved:
-                logp, entropy, t = _forward_logprobs(model, batch, seqs, temperature, layout)
+                logp, entropy, t = forward_logprobs(model, batch, seqs, temperature, layout)
             stats.max("activation_bytes", saved.bytes)
             mask = t["loss_mask"].bool()
             # one more value (0) for the filler sequence a context-parallel micro-batch may end with
@@ -359,7 +365,7 @@ def train_step(
             (loss * layout.data_world).backward()
             _record(stats, loss, lstats, entropy, mask, t)
         beat("optimizer step" + _of(m, n_minibatches))
-        grad_norms.append(_optimizer_step(model, optimizer, cfg.optimizer.gradient_clipping))
+        grad_norms.append(optimizer_step(model, optimizer, cfg.optimizer.gradient_clipping))
         if scheduler is not None:
             scheduler.step()
     for plan in plans:
@@ -415,21 +421,21 @@ def _no_grad_logprobs(
             beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(plans)))
             if mb:
                 seqs = [shard[i] for i in mb]
-                row.append(_forward_logprobs(model, batch, seqs, temperature, layout)[0])
+                row.append(forward_logprobs(model, batch, seqs, temperature, layout)[0])
             else:
-                _empty_forward(model, layout)
+                empty_forward(model, layout)
                 row.append(None)
         out.append(row)
     return out
 
 
-def _global_normalizer(batch: RolloutBatch, seqs: list[int], mode: str) -> int:
+def global_normalizer(batch: RolloutBatch, seqs: list[int], mode: str) -> int:
     masks = [batch.sequence(i)["loss_mask"] for i in seqs]
     one_sequence_each = [torch.zeros(len(m), dtype=torch.long) for m in masks]
     return max(1, losses.loss_normalizer(masks, mode, one_sequence_each))
 
 
-def _record(stats: _Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
+def _record(stats: Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
     n_tok = float(mask.sum())
     stats.add("loss", loss.detach())
     stats.add("loss_tokens", n_tok)
@@ -442,7 +448,7 @@ def _record(stats: _Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
     stats.add("behav_logprob_sum", (t["logprobs"] * mask).sum())
 
 
-def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, clip: float) -> float:
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, clip: float) -> float:
     # Every parameter that takes part in the forward has a gradient on every rank (empty
     # micro-batches included), so the norm's collectives see the same tensors everywhere.
     params = [p for p in model.parameters() if p.grad is not None]

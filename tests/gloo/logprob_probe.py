@@ -20,7 +20,7 @@ from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.process import exit_without_teardown
 from areal_cli.trainer.mesh import build_mesh, step_layout
 from areal_cli.trainer.parallelize import build_sharded_model
-from areal_cli.trainer.step import _forward_logprobs
+from areal_cli.trainer.step import forward_logprobs
 
 
 def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def main() -> None:
     layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
     batch = read_batch(handoff.read_entry(batches / "step-0"))
     with torch.no_grad():
-        logp, entropy, _ = _forward_logprobs(model, batch, list(range(batch.n_seqs)), 0.7, layout)
+        logp, entropy, _ = forward_logprobs(model, batch, list(range(batch.n_seqs)), 0.7, layout)
     if mesh.cp > 1:  # each cp rank scored a slice of the positions: put them together
         total = int(batch.seqlens.sum())
         logp, entropy = (_gather(x, layout.cp_group, mesh.cp)[:total] for x in (logp, entropy))

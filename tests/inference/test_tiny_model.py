@@ -123,8 +123,8 @@ def test_script(tmp_path: Path) -> None:
 def test_demo_prompts_render_as_the_rollout_renders_dataset_rows(tiny_model_dir: Path) -> None:
     """The tiny-arith warm-up trains on the very token ids the rollout will send."""
     from areal_cli.config.schema import DatasetConfig
+    from areal_cli.data.prompts import format_prompt
     from areal_cli.models.demo_model import prompt_ids
-    from areal_cli.rollout.data import format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for a, b in ((0, 0), (3, 4), (9, 9)):

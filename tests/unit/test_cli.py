@@ -62,9 +62,11 @@ def test_dry_run_prints_plan_and_writes_nothing(recipe: str, tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert "torchrun --nnodes 1 --nproc-per-node" in result.stdout
     assert "--rdzv-backend c10d" in result.stdout
-    assert ("sglang.launch_server" in result.stdout) or (
+    servers = ("sglang.launch_server" in result.stdout) or (
         "areal_cli.inference.server" in result.stdout
     )
+    supervised = "algorithm sft: no inference server" in result.stdout
+    assert servers != supervised  # an RL recipe plans servers; an SFT recipe plans none
     assert not (tmp_path / "runs").exists()
     assert snapshot(REPO) == before
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from areal_cli.config.schema import DatasetConfig
-from areal_cli.rollout.data import (
+from areal_cli.data.prompts import (
     DatasetError,
     PromptStream,
     dataset_type,
@@ -102,7 +102,7 @@ def test_missing_hub_dataset_fails_fast_offline(tmp_path: Path) -> None:
     # A fresh interpreter: datasets reads the offline switches when it is first imported.
     code = (
         "from areal_cli.config.schema import DatasetConfig\n"
-        "from areal_cli.rollout.data import DatasetError, load_prompts\n"
+        "from areal_cli.data.prompts import DatasetError, load_prompts\n"
         "try:\n"
         "    load_prompts(DatasetConfig(path='nobody/no-such-dataset', type='hub'))\n"
         "except DatasetError as exc:\n"

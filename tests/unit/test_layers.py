@@ -4,12 +4,13 @@ Layers, bottom to top; a module may import its own package and any lower layer:
   0 config        schema, allocation, loader, validation
   1 rundir        the run-directory protocols (handoff, batch format, layout, heartbeats)
   2 models        builtin models, built locally
-  3 trainer, inference, rollout, metrics
+  3 data          datasets: reading rows, chat templates, prompt and answer token ids
+  4 trainer, inference, rollout, metrics
                   never each other, except rollout -> inference.client
-  4 launch, weights
+  5 launch, weights
                   placing and supervising processes; convert-checkpoint
-  5 evaluation
-  6 cli
+  6 evaluation
+  7 cli
 Imports inside functions count too: a lazy import still ties the packages together.
 """
 
@@ -23,14 +24,15 @@ LAYERS = {
     "config": 0,
     "rundir": 1,
     "models": 2,
-    "trainer": 3,
-    "inference": 3,
-    "rollout": 3,
-    "metrics": 3,
-    "launch": 4,
-    "weights": 4,
-    "evaluation": 5,
-    "cli": 6,
+    "data": 3,
+    "trainer": 4,
+    "inference": 4,
+    "rollout": 4,
+    "metrics": 4,
+    "launch": 5,
+    "weights": 5,
+    "evaluation": 6,
+    "cli": 7,
 }
 ALLOWED = {("rollout", "areal_cli.inference.client")}
 

@@ -1,0 +1,89 @@
+"""The controller of a role with no inference server (`algorithm: sft`): it follows the
+trainer instead of feeding it.
+
+The trainer reads its own data, so the controller only turns each line the trainer
+appends to RUN/logs/trainer-metrics.jsonl into a line of RUN/metrics.jsonl and the
+display (a step already in metrics.jsonl, from before a resume, is not written twice),
+until the trainer exits cleanly. The guards (the progress watchdog) run beside it; any of
+them raising stops the run, as in the rollout loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from areal_cli.rollout.controller import StepSink, read_new_lines, steps_in
+
+# trainer figures that metrics.jsonl carries for a supervised role
+FOLLOWED_KEYS = (
+    "loss",
+    "nll",
+    "eval_loss",
+    "grad_norm",
+    "tokens",
+    "loss_tokens",
+    "lr",
+    "empty_micro_batches",
+    "activation_bytes",
+    "peak_rss_mb",
+    "state_mb",
+)
+
+
+def supervised_metrics(trainer: dict[str, Any]) -> dict[str, Any]:
+    """One metrics.jsonl line from one trainer line."""
+    out = {"step": trainer["step"]}
+    out.update({k: trainer[k] for k in FOLLOWED_KEYS if k in trainer})
+    out["trainer_step_s"] = trainer["train_s"]
+    out["time"] = time.time()
+    return out
+
+
+async def follow_trainer(
+    run_dir: Path,
+    sink: StepSink,
+    *,
+    until_trainer_done: Callable[[], Awaitable[None]],
+    guards: list[Awaitable[None]],
+    poll_s: float = 0.1,
+) -> None:
+    """Relay the trainer's lines until it exits cleanly (see the module docstring)."""
+    source = run_dir / "logs" / "trainer-metrics.jsonl"
+    target = run_dir / "metrics.jsonl"
+    done = steps_in(target)
+    offset = 0
+
+    def relay() -> None:
+        nonlocal offset
+        lines, offset = read_new_lines(source, offset)
+        for line in lines:
+            record = json.loads(line)
+            if record["step"] in done:
+                continue
+            metrics = supervised_metrics(record)
+            with open(target, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            done.add(record["step"])
+            sink.step(metrics)
+
+    sink.status("training (no inference server)")
+    tasks = [asyncio.ensure_future(g) for g in guards]
+    finished = asyncio.ensure_future(until_trainer_done())
+    try:
+        while not finished.done():
+            relay()
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
+            await asyncio.wait([finished, *tasks], timeout=poll_s)
+        finished.result()
+        relay()  # the trainer's last lines
+    finally:
+        for task in [*tasks, finished]:
+            task.cancel()
+        await asyncio.gather(*tasks, finished, return_exceptions=True)

@@ -1,0 +1,115 @@
+"""The SFT role's data: which tokens are targets, which examples each step takes, and the
+label-smoothing term (the trainer's step itself is covered in tests/gloo)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.data.prompts import DatasetError, chat_ids
+from areal_cli.models.tiny_model import build_tiny_model
+from areal_cli.trainer import losses
+from areal_cli.trainer.sft import load_examples, step_indices
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        build_tiny_model(tmp_path_factory.mktemp("m") / "model", seed=0)
+    )
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_targets_are_the_answer_and_eos(tokenizer, tmp_path) -> None:
+    cfg = ExperimentConfig()
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "What is 3+4?", "answer": "7"}])
+    ex = load_examples(cfg, tokenizer, path)
+    prompt = chat_ids(tokenizer, [{"role": "user", "content": "What is 3+4?"}])
+    answer = tokenizer.encode("7", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert ex.input_ids == [prompt + answer]
+    assert ex.targets == [[0] * len(prompt) + [1] * len(answer)]
+    batch = ex.batch([0, 0])
+    assert batch.n_seqs == 2 and int(batch.loss_mask.sum()) == 2 * len(answer)
+
+
+def test_rows_longer_than_max_len_are_counted_and_skipped(tokenizer, tmp_path) -> None:
+    cfg = ExperimentConfig()
+    cfg.sft.max_len = 12
+    rows = [{"prompt": "What is 3+4?", "answer": "7"}, {"prompt": "1+1", "answer": "2"}]
+    ex = load_examples(cfg, tokenizer, _write(tmp_path / "d.jsonl", rows))
+    assert ex.skipped + len(ex) == 2 and all(len(i) <= 12 for i in ex.input_ids)
+
+
+def test_conversation_targets_are_the_assistant_turns(tokenizer, tmp_path) -> None:
+    cfg = ExperimentConfig()
+    cfg.sft.messages_key = "messages"
+    talk = [
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "And 2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    ex = load_examples(cfg, tokenizer, _write(tmp_path / "c.jsonl", [{"messages": talk}]))
+    ids, targets = ex.input_ids[0], ex.targets[0]
+    assert len(ids) == len(targets)
+    first = chat_ids(tokenizer, talk[:1])
+    second = chat_ids(tokenizer, talk[:3])
+    assert targets[: len(first)] == [0] * len(first)  # the user's turn is context
+    assert sum(targets[len(first) : len(second)]) > 0  # the first reply is trained
+    assert ids[: len(second)] == second
+    assert sum(targets[len(second) :]) == len(ids) - len(second)  # so is the last one
+    decoded = tokenizer.decode([t for t, m in zip(ids, targets, strict=True) if m])
+    assert "2" in decoded and "4" in decoded and "What" not in decoded
+
+
+def test_a_conversation_without_reply_is_an_error(tokenizer, tmp_path) -> None:
+    cfg = ExperimentConfig()
+    cfg.sft.messages_key = "messages"
+    path = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(DatasetError, match="row 0: the conversation has no assistant turn"):
+        load_examples(cfg, tokenizer, path)
+
+
+def test_steps_walk_shuffled_epochs() -> None:
+    seen = [step_indices(10, 4, s, seed=3, shuffle=True) for s in range(5)]
+    flat = [i for s in seen for i in s]
+    assert sorted(flat[:10]) == list(range(10))  # the first epoch is a permutation
+    assert sorted(flat[10:20]) == list(range(10))  # so is the second
+    assert flat[:10] != flat[10:20]  # each epoch its own order
+    assert step_indices(10, 4, 3, seed=3, shuffle=True) == seen[3]  # a resumed step is the same
+    assert step_indices(10, 4, 0, seed=3, shuffle=False) == [0, 1, 2, 3]
+
+
+def test_support_mean_matches_a_plain_log_softmax() -> None:
+    logits = torch.randn(5, 13)
+    support = torch.tensor([1, 4, 7])
+    want = torch.log_softmax(logits, -1)[:, support].mean(-1)
+    assert torch.allclose(losses.support_logprob_mean(logits, support), want, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.batch_size=4", "rollout: is not used by algorithm: sft"),
+        ("actor.eps_clip=0.3", "actor.eps_clip: is not used by algorithm: sft"),
+        ("allocation_mode=embedded:d1+fsdp:d1", "allocation_mode: algorithm: sft starts no inference server"),
+        ("algorithm=grpo", "sft: is only read by algorithm: sft"),
+    ],
+)  # fmt: skip
+def test_keys_of_another_role_are_refused(override: str, message: str) -> None:
+    from tests.conftest import run_areal
+
+    result = run_areal("validate", "recipes/tiny_sft.yaml", override)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
