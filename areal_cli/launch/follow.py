@@ -24,6 +24,7 @@ FOLLOWED_KEYS = (
     "loss",
     "nll",
     "eval_loss",
+    "eval_loss_initial",
     "grad_norm",
     "tokens",
     "loss_tokens",

@@ -254,11 +254,12 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot([h["step"] + 1 for h in history], [h["loss"] for h in history], label="loss")
-    held = [h for h in history if "eval_loss" in h]
+    held = [(h["step"] + 1, h["eval_loss"]) for h in history if "eval_loss" in h]
+    held[:0] = [(0, h["eval_loss_initial"]) for h in history if "eval_loss_initial" in h]
     if held:
         ax.plot(
-            [h["step"] + 1 for h in held],
-            [h["eval_loss"] for h in held],
+            [step for step, _ in held],
+            [value for _, value in held],
             marker="o",
             label="held-out loss",
         )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from areal_cli.config.schema import BUILTIN_MODELS
 
-BUILD_VERSION = "v1"  # bump when a builder changes what it builds, so caches are not reused
+BUILD_VERSION = "v3"  # bump when a builder changes what it builds, so caches are not reused
 
 
 def cache_dir() -> Path:
@@ -31,7 +31,8 @@ def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] |
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    # One thread: the warm-up is only deterministic (and cacheable) on one thread, and more
+    # One thread: in-process builds and the sampled evaluation of tiny-arith are only
+    # deterministic (and cacheable) on one thread, and more
     # threads on a busy 2-core machine are slower, not faster.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

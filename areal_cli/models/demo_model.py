@@ -1,34 +1,43 @@
-"""The builtin `tiny-arith` model: `builtin:tiny` after a short supervised warm-up on
+"""The builtin `tiny-arith` model: `builtin:tiny` after supervised fine-tuning on
 single-digit addition, the starting point of the CPU demo (recipes/tiny_cpu.yaml), so
 that GRPO has a signal to use.
 
 A randomly initialised model never writes "number then EOS", so every sample would score 0
-and RL would have nothing to learn from. The warm-up trains on prompts rendered with the
-tokenizer's chat template (exactly as areal_cli.data.prompts formats dataset rows) with the
-answer tokens and EOS as targets, under label smoothing restricted to the answer alphabet:
-each target token gets 1 - F of the mass and F is spread evenly over the ten digits and
-EOS. The model therefore learns the format and puts the most mass on the correct sum
-(greedy decoding is right), but a sample at temperature 1.0 is right only ~28% of the time
+and RL would have nothing to learn from. The product makes this model with its own SFT
+role: `build_arith_demo_model` writes the addition data (the same rows as recipes/data,
+from `arith_rows`) and the packaged recipe `tiny_arith_sft.yaml` into a temporary folder,
+runs `areal train` on it (one FSDP2 rank under torchrun, no inference server), and keeps
+the final checkpoint. recipes/tiny_sft.yaml runs the same recipe by hand.
+
+The recipe trains on prompts rendered with the tokenizer's chat template (exactly as the
+rollout formats dataset rows) with the answer tokens and EOS as targets, under label
+smoothing restricted to the answer alphabet (`sft.smoothing_support: targets`): each
+target token gets 1 - F of the mass and F is spread evenly over the ten digits and EOS.
+The model therefore learns the format and puts the most mass on the correct sum (greedy
+decoding is right), but a sample at temperature 1.0 is right only ~28% of the time
 (F = 0.45): it sometimes writes a wrong digit, stops early, or runs on ("312"). RL then
-has to sharpen that distribution, which it does within the demo's few minutes (see
-scripts/tune_demo_rl.py). `correct_frac` below 1 also replaces that fraction of targets by
-random numbers in 0..18 (label noise; not used by default).
+has to sharpen that distribution, which it does within the demo's few minutes.
 
 The task space is only the 100 problems a+b with a, b in 0..9, so the warm-up sees the
 same problems as the RL run and its evaluation (the train and test files differ only in
 how often they repeat each problem); what the warm-up withholds is confidence, not problems.
 
-Deterministic for a given seed (model init, example order, evaluation samples) on one
-thread. The folder is written atomically (a temporary folder in the same parent, then a
-rename) and holds the model, the tokenizer (with its chat template) and demo_model.json
-recording how it was made and its accuracy. Takes ~15-40 s on one CPU thread (250 steps).
+Deterministic for a given seed on a given number of cores (the recipe gives the trainer
+2). The folder is written atomically (a temporary folder in the same parent, then a
+rename) and holds the model, the tokenizer (with its chat template), the SFT run's
+metrics (sft_metrics.jsonl) and demo_model.json recording how it was made and its
+accuracy. Takes ~30 s on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,14 +45,38 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_cli.models.tiny_model import build_tiny_model
+from areal_cli.rundir import handoff
 
 # Grades a completion against the reference answer (the recipe's reward, builtin:numeric,
 # given by the caller: models sit below rollout and do not import its rewards).
 Score = Callable[[str, str], float]
 
 INFO_FILE = "demo_model.json"
+SFT_RECIPE = Path(__file__).with_name("tiny_arith_sft.yaml")
 MAX_SUM = 18  # largest answer of the task (9+9)
+DATA_FILES = (("arith_train.jsonl", 2000), ("arith_test.jsonl", 200))
+
+
+def arith_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
+    """`n` random problems {"prompt": "What is 3+5?", "answer": "8"} (a, b in 0..9)."""
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        rows.append({"prompt": f"What is {a}+{b}?", "answer": str(a + b)})
+    return rows
+
+
+def write_arith_data(out_dir: Path, seed: int = 0) -> list[Path]:
+    """The train and test files of the task (recipes/data holds these for seed 0), each
+    written to a temp file and renamed into place."""
+    rng = random.Random(seed)
+    paths = []
+    for name, n in DATA_FILES:
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in arith_rows(rng, n)))
+        tmp.replace(out_dir / name)
+        paths.append(out_dir / name)
+    return paths
 
 
 def problems() -> list[tuple[int, int]]:
@@ -83,63 +116,6 @@ def make_batch(
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     tgt = torch.tensor([t + [-100] * (width - len(t)) for t in targets])
     return ids, mask, tgt
-
-
-def answer_alphabet(tokenizer) -> list[int]:
-    """The tokens an answer is written with: the ten digits and EOS."""
-    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
-    return [*digits, tokenizer.eos_token_id]
-
-
-def warm_up(
-    model,
-    tokenizer,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    smoothing: float,
-    correct_frac: float,
-    generator: torch.Generator,
-) -> list[float]:
-    """Supervised warm-up on chat examples; returns the loss per step.
-
-    The loss covers the answer tokens and EOS only. Each target is the correct sum with
-    probability `correct_frac` (else a random number in 0..MAX_SUM), and each token's
-    target distribution is smoothed: 1 - `smoothing` on the target token, `smoothing`
-    spread evenly over the answer alphabet (digits and EOS). Smoothing keeps the correct
-    answer the most likely one while capping how often a sample at temperature 1 gets it.
-    """
-    pairs_all = problems()
-    prompts = {p: prompt_ids(tokenizer, *p) for p in pairs_all}
-    alphabet = torch.tensor(answer_alphabet(tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warm = max(1, steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1.0 - s / steps)
-    )
-    model.train()
-    losses = []
-    for _ in range(steps):
-        index = torch.randint(len(pairs_all), (batch_size,), generator=generator).tolist()
-        pairs = [pairs_all[i] for i in index]
-        correct = (torch.rand(batch_size, generator=generator) < correct_frac).tolist()
-        noise = torch.randint(MAX_SUM + 1, (batch_size,), generator=generator).tolist()
-        labels = [a + b if ok else n for (a, b), ok, n in zip(pairs, correct, noise, strict=True)]
-        ids, mask, tgt = make_batch(tokenizer, prompts, pairs, labels)
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1], -1)
-        target = tgt[:, 1:]
-        on = target >= 0
-        nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
-        spread = -logp[..., alphabet].mean(-1)
-        loss = ((1.0 - smoothing) * nll + smoothing * spread)[on].mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
 
 
 @torch.no_grad()
@@ -217,45 +193,79 @@ def build_arith_demo_model(
     out_dir: Path,
     score: Score,
     seed: int = 1,
-    steps: int = 250,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    smoothing: float = 0.45,
-    correct_frac: float = 1.0,
+    overrides: tuple[str, ...] = (),
     eval_samples: int = 8,
 ) -> dict:
-    """Build the warmed-up model into `out_dir` atomically; returns what demo_model.json holds."""
+    """Build the model into `out_dir` atomically by running the SFT recipe (see the module
+    docstring; `overrides` are extra `key=value`s for it); returns what demo_model.json
+    holds."""
     out_dir = out_dir.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        base = build_tiny_model(tmp / "base", preset="tiny", seed=seed)
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        generator = torch.Generator().manual_seed(seed)
-        losses = warm_up(
-            model, tokenizer, steps, batch_size, lr, smoothing, correct_frac, generator
-        )
+        work = tmp / "sft"
+        work.mkdir()
+        write_arith_data(work)
+        recipe = Path(shutil.copy(SFT_RECIPE, work / SFT_RECIPE.name))
+        checkpoint, metrics = _run_sft(recipe, tmp / "runs", seed, overrides)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         stats = evaluate(model, tokenizer, score, eval_samples, 6, seed + 1)
-        staged = tmp / "model"
-        model.save_pretrained(staged, safe_serialization=True)
-        tokenizer.save_pretrained(staged)
+        held_out = [m["eval_loss"] for m in metrics if "eval_loss" in m]
         info = {
             "base": "builtin:tiny",
             "seed": seed,
-            "steps": steps,
-            "batch_size": batch_size,
-            "lr": lr,
-            "smoothing": smoothing,
-            "correct_frac": correct_frac,
-            "first_loss": losses[0],
-            "final_loss": losses[-1],
+            "made_by": f"areal train {SFT_RECIPE.name} " + " ".join(overrides),
+            "steps": len(metrics),
+            "first_loss": metrics[0]["loss"],
+            "final_loss": metrics[-1]["loss"],
+            "held_out_loss": held_out,
             **stats,
         }
-        (staged / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        # a plain HF folder: the run's entry manifest describes a checkpoint, not this model
+        (checkpoint / handoff.MANIFEST).unlink()
+        shutil.copy(metrics_path(checkpoint), checkpoint / "sft_metrics.jsonl")
+        (checkpoint / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         if out_dir.exists():  # replacing: move the old folder aside, then swap the new one in
             os.rename(out_dir, tmp / "old")
-        os.rename(staged, out_dir)
+        os.rename(checkpoint, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def metrics_path(checkpoint: Path) -> Path:
+    """RUN/metrics.jsonl of the run that wrote RUN/checkpoints/step-N."""
+    return checkpoint.parents[1] / "metrics.jsonl"
+
+
+def _run_sft(recipe: Path, fileroot: Path, seed: int, overrides: tuple[str, ...]):
+    """Run `areal train RECIPE` as a child process; returns its final checkpoint folder
+    and its metrics. A failure raises with the tail of the run's output."""
+    with socket.socket() as s:  # a free port for the child's torchrun rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        sys.executable,
+        "-m",
+        "areal_cli.cli",
+        "train",
+        str(recipe),
+        f"cluster.fileroot={fileroot}",
+        f"seed={seed}",
+        f"model.seed={seed}",
+        f"launcher.trainer_port={port}",
+        "logging.display=plain",
+        *overrides,
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    run_dir = fileroot / "tiny-sft" / "trial0"
+    found = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    if done.returncode != 0 or not found:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(
+            f"building builtin:tiny-arith failed: `areal train {recipe.name}` exited with "
+            f"{done.returncode}; the last lines of its output:\n{tail}"
+        )
+    lines = metrics_path(found[-1]).read_text().splitlines()
+    return found[-1], [json.loads(line) for line in lines if line]

@@ -215,9 +215,17 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     last = min(
         cfg.total_train_steps, args.steps if args.steps is not None else cfg.total_train_steps
     )
+    initial_eval_loss = None
+    if data is not None and data.eval is not None and start == 0:
+        from areal_cli.trainer.sft import eval_loss
+
+        initial_eval_loss = eval_loss(model, data.eval, cfg.actor, layout, beat.phase)
+        print0(f"[trainer] eval_loss before training {initial_eval_loss:.4f}")
     for step in range(start, last):
         if data is not None:
             record = run_sft_step(step, cfg, model, optimizer, scheduler, data, beat, layout, last)
+            if initial_eval_loss is not None and step == 0:  # where the held-out curve starts
+                record["eval_loss_initial"] = initial_eval_loss
             finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat)
             continue
         run_one_step(

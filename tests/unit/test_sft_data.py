@@ -113,3 +113,19 @@ def test_keys_of_another_role_are_refused(override: str, message: str) -> None:
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_demo_model_is_built_from_the_bundled_data(tmp_path) -> None:
+    """builtin:tiny-arith's SFT run writes the same rows as recipes/data, and
+    recipes/tiny_sft.yaml is the packaged recipe on them."""
+    from areal_cli.config.loader import load_config
+    from areal_cli.models.demo_model import SFT_RECIPE, write_arith_data
+    from tests.conftest import REPO
+
+    for path in write_arith_data(tmp_path):
+        assert path.read_bytes() == (REPO / "recipes" / "data" / path.name).read_bytes()
+    ours = load_config(REPO / "recipes" / "tiny_sft.yaml").config
+    packaged = load_config(SFT_RECIPE).config
+    for cfg in (ours, packaged):  # the data paths and where runs go may differ, nothing else
+        cfg.dataset.path = cfg.sft.eval_path = cfg.cluster.fileroot = ""
+    assert ours == packaged
