@@ -245,15 +245,20 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
 
 
 def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
-    """RUN/loss_curve.png for a supervised role: training loss per step, and the
-    held-out loss where it was measured."""
+    """RUN/loss_curve.png for a supervised role: the training NLL per step (without label
+    smoothing, so it compares with the held-out loss), and the held-out loss where it was
+    measured (before the first step, then every sft.eval_freq_steps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot([h["step"] + 1 for h in history], [h["loss"] for h in history], label="loss")
+    ax.plot(
+        [h["step"] + 1 for h in history],
+        [h.get("nll", h["loss"]) for h in history],
+        label="train (NLL)",
+    )
     held = [(h["step"] + 1, h["eval_loss"]) for h in history if "eval_loss" in h]
     held[:0] = [(0, h["eval_loss_initial"]) for h in history if "eval_loss_initial" in h]
     if held:
