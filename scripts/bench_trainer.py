@@ -95,6 +95,8 @@ def fsdp_steps(
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
+        "--log-dir",  # torchrun's per-attempt folders stay in the work folder, not /tmp
+        str(work / "torchrun"),
         "-m",
         "areal_cli.trainer.main",
         "--config",
