@@ -8,6 +8,7 @@ against this list, so a renamed flag upstream is caught without a GPU.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from pathlib import Path
@@ -47,7 +48,9 @@ def extract(fields_dir: Path) -> dict[str, str]:
 
 
 def main() -> None:
-    pkg = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sglang_pkg_dir", type=Path, help="the installed sglang package folder")
+    pkg = parser.parse_args().sglang_pkg_dir
     fields_dir = pkg / "srt" / "arg_groups" / "fields"
     if not fields_dir.is_dir():
         sys.exit(f"error: {fields_dir} not found; pass the sglang package directory")

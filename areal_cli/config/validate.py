@@ -95,6 +95,7 @@ def check_config(
     c.result.allocation = mode
     if mode is not None:
         _check_devices(c, mode)
+        _check_ports(c, mode)
         if mode.train is not None and not supervised:
             _check_batch(c, mode)
     if supervised:
@@ -332,14 +333,20 @@ def _check_rollout(c: _Checker) -> None:
             f"{context} is shorter than dataset.max_prompt_len + gconfig.max_new_tokens = {total}",
             f"raise it to at least {total}",
         )
-    ports = ("launcher.trainer_port", "launcher.inference_base_port")
-    if c.valid(*ports) and c.cfg.launcher.trainer_port in range(
-        c.cfg.launcher.inference_base_port, c.cfg.launcher.inference_base_port + 64
-    ):
+
+
+def _check_ports(c: _Checker, mode: AllocationMode) -> None:
+    """The trainer's rendezvous port against the servers' ports (base, base + 1, ...)."""
+    if not c.valid("launcher.trainer_port", "launcher.inference_base_port"):
+        return
+    base, n = c.cfg.launcher.inference_base_port, mode.n_servers
+    if c.cfg.launcher.trainer_port in range(base, base + n):
+        span = f"{base}" if n == 1 else f"{base}..{base + n - 1}"
         c.error(
             "launcher.trainer_port",
-            f"{c.cfg.launcher.trainer_port} collides with the inference server ports starting at {c.cfg.launcher.inference_base_port}",
-            "pick a port outside that range",
+            f"{c.cfg.launcher.trainer_port} is also an inference server's port "
+            f"(servers listen on {span})",
+            f"pick a port other than {span}",
         )
 
 

@@ -102,9 +102,9 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(
-                f"areal exited early with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}"
-            )
+            out = proc.stdout.read() if proc.stdout else ""
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"areal exited early with {proc.returncode}: {out}{err}")
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
 

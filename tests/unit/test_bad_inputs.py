@@ -273,12 +273,12 @@ CASES = [
         # default), the others still run: the batch split is not reported on group_size
         # 'abc', the port clash is.
         "broken-value-skips-only-its-rules",
-        BASE + "launcher:\n  trainer_port: 30001\n",
+        BASE + "launcher:\n  trainer_port: 30000\n",
         ["rollout.group_size=abc", "rollout.batch_size=3", "launcher.type=slurmm"],
         [
             "rollout.group_size: expected an integer",
             "launcher.type: 'slurmm' is not one of",
-            "launcher.trainer_port: 30001 collides",
+            "launcher.trainer_port: 30000 is also an inference server's port",
         ],
     ),
 ]
