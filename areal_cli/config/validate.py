@@ -98,24 +98,27 @@ def check_config(
         _check_ports(c, mode)
         if mode.train is not None and not supervised:
             _check_batch(c, mode)
-    if supervised:
-        _check_sft(c, launch)
-        _check_planned(c)
-        if c.valid("model"):
-            _check_model(c, launch)
-            if mode is not None and mode.train is not None and c.valid("allocation_mode"):
-                _check_tensor_parallel(c, mode)
-        return c.result
-    if c.cfg.algorithm != "sft" and ("sft",) in c.loaded.locations:
-        c.error("sft", "is only read by algorithm: sft", "remove it, or set algorithm: sft")
-    _check_rollout(c)
     if c.valid("model"):
         _check_model(c, launch)
         if mode is not None and mode.train is not None and c.valid("allocation_mode"):
             _check_tensor_parallel(c, mode)
+    if command in ("train", "validate") and c.valid("dataset"):
+        _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
+    if supervised:
+        if c.valid("sft.eval_path") and c.cfg.sft.eval_path:
+            _check_dataset(c, "sft.eval_path", c.cfg.sft.eval_path, launch, required=False)
+    else:
+        _check_rl(c, command, launch)
+    _check_planned(c)
+    return c.result
+
+
+def _check_rl(c: _Checker, command: str, launch: bool) -> None:
+    """The rules of the RL algorithm's own keys: rollout, reward, workflow, eval."""
+    if c.cfg.algorithm != "sft" and ("sft",) in c.loaded.locations:
+        c.error("sft", "is only read by algorithm: sft", "remove it, or set algorithm: sft")
+    _check_rollout(c)
     if command in ("train", "validate"):
-        if c.valid("dataset"):
-            _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
         _check_callable(c, "reward.fn", c.cfg.reward.fn, BUILTIN_REWARDS)
         _check_callable(
             c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
@@ -126,8 +129,6 @@ def check_config(
         )
         _check_callable(c, "eval.reward.fn", c.cfg.eval.reward.fn, BUILTIN_REWARDS)
     _check_eval(c)
-    _check_planned(c)
-    return c.result
 
 
 def raise_on_problems(result: CheckResult) -> None:
@@ -214,13 +215,6 @@ def _check_role_keys(c: _Checker) -> None:
                 "is not used by algorithm: sft (it trains on the dataset's answers, with no rollouts or inference server)",
                 "remove it, or set algorithm: grpo",
             )
-
-
-def _check_sft(c: _Checker, launch: bool) -> None:
-    if c.valid("dataset"):
-        _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
-    if c.valid("sft.eval_path") and c.cfg.sft.eval_path:
-        _check_dataset(c, "sft.eval_path", c.cfg.sft.eval_path, launch, required=False)
 
 
 def _check_devices(c: _Checker, mode: AllocationMode) -> None:

@@ -146,13 +146,18 @@ def format_prompt(tokenizer: Any, row: Mapping[str, Any], cfg: DatasetConfig) ->
     return ids if len(ids) <= cfg.max_prompt_len else None
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Apply the chat template with the generation prompt and return the token ids."""
+def chat_ids(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Apply the chat template (by default with the generation prompt) and return the
+    token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetError(
             "the tokenizer has no chat template; set dataset.apply_chat_template: false"
         )
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
     # transformers 5 returns a BatchEncoding here, 4.x a plain list of ids.
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 

@@ -100,25 +100,23 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         if cfg.algorithm == "sft":  # no rollouts: follow the trainer, which reads its data
             from areal_cli.launch.follow import follow_trainer
 
-            follow = follow_trainer(
+            loop = follow_trainer(
                 run_dir,
                 sink,
                 until_trainer_done=lambda: _trainer_done(runner),
                 guards=[watch(cfg, run_dir, None, {}, lambda: "no rollouts (algorithm: sft)")],
             )
-            asyncio.run(follow)
-            sink.finish(run_dir)
-            return 0
-        loop = run_loop(
-            loaded,
-            run_dir,
-            servers,
-            start_step,
-            sink,
-            check_children=lambda: runner.check(allow_exit={"trainer"}),
-            until_trainer_done=lambda: _trainer_done(runner),
-            guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
-        )
+        else:
+            loop = run_loop(
+                loaded,
+                run_dir,
+                servers,
+                start_step,
+                sink,
+                check_children=lambda: runner.check(allow_exit={"trainer"}),
+                until_trainer_done=lambda: _trainer_done(runner),
+                guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
+            )
         asyncio.run(loop)
         sink.finish(run_dir)
         return 0

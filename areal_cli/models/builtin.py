@@ -32,8 +32,8 @@ def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] |
 
     hf_logging.disable_progress_bar()
     # One thread: in-process builds and the sampled evaluation of tiny-arith are only
-    # deterministic (and cacheable) on one thread, and more
-    # threads on a busy 2-core machine are slower, not faster.
+    # deterministic (and cacheable) on one thread, and more threads on a busy 2-core
+    # machine are slower, not faster. (tiny-arith's SFT run is a child process.)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

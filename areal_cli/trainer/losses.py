@@ -434,13 +434,15 @@ def entropy_from_logits(
 def support_logprob_mean(
     logits: torch.Tensor, support: torch.Tensor, vocab: VocabShard | None = None
 ) -> torch.Tensor:
-    """Per position, the mean over the token ids in `support` of log_softmax(logits): the
-    spread term of label smoothing, read from whichever shard holds each id."""
+    """Per position, the mean over the token ids in `support` (distinct) of
+    log_softmax(logits): the spread term of label smoothing, read from whichever shard
+    holds each id."""
     z = _upcast(logits)
-    if vocab is None:
-        total = z[..., support].sum(-1)
-    else:
-        local = support - vocab.start
-        local = local[(local >= 0) & (local < z.shape[-1])]
-        total = _SumOverShards.apply(z[..., local].sum(-1), vocab.group)
+    local = support if vocab is None else support - vocab.start
+    local = local[(local >= 0) & (local < z.shape[-1])]
+    # support ids are distinct: covering every column (the whole vocabulary) is a plain sum,
+    # with no [tokens, support] copy of the logits
+    total = z.sum(-1) if len(local) == z.shape[-1] else z[..., local].sum(-1)
+    if vocab is not None:
+        total = _SumOverShards.apply(total, vocab.group)
     return total / len(support) - _logsumexp(z, vocab)

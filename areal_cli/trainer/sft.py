@@ -153,7 +153,7 @@ def _conversation(tokenizer: Any, messages: Any, n: int, path: str) -> tuple[lis
         if message.get("role") != "assistant":
             continue
         before = chat_ids(tokenizer, messages[:i])  # ends with the generation prompt
-        whole = _render(tokenizer, messages[: i + 1])
+        whole = chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if whole[: len(before)] != before or whole[: len(ids)] != ids:
             raise DatasetError(
                 f"{path} row {n}: the chat template renders turn {i} differently once the "
@@ -164,11 +164,6 @@ def _conversation(tokenizer: Any, messages: Any, n: int, path: str) -> tuple[lis
     if not ids:
         raise DatasetError(f"{path} row {n}: the conversation has no assistant turn")
     return ids, targets
-
-
-def _render(tokenizer: Any, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
 def step_indices(
@@ -218,7 +213,7 @@ def sft_step(
             stats.add("empty_micro_batches", 1)
             continue
         seqs = [shard[0][i] for i in mb]
-        logp, _, t = forward_logprobs(model, batch, seqs, 1.0, layout, support)
+        logp, _, t = forward_logprobs(model, batch, seqs, 1.0, layout, support, entropy=False)
         mask = t["loss_mask"].bool()
         loss_tok = -logp
         if smoothing:
@@ -253,7 +248,8 @@ def eval_loss(
         if not mb:
             empty_forward(model, layout)
             continue
-        logp, _, t = forward_logprobs(model, batch, [shard[0][i] for i in mb], 1.0, layout)
+        seqs = [shard[0][i] for i in mb]
+        logp, _, t = forward_logprobs(model, batch, seqs, 1.0, layout, entropy=False)
         mask = t["loss_mask"].bool()
         stats.add("nll", -(logp * mask).sum())
         stats.add("tokens", float(mask.sum()))

@@ -146,11 +146,14 @@ def forward_logprobs(
     temperature: float,
     layout: StepLayout,
     support: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Packed forward over `seqs`, in label space (`_label_space`); with context
     parallelism, over this rank's slice of the positions. Returns (logprobs of the labels,
-    entropy, the per-position tensors of the slice, plus `seq_counts`, and with `support`
-    (token ids) `support_logp`: each position's mean logprob over them)."""
+    entropy (None with `entropy=False`: a pass over the logits, and collectives under
+    tensor parallelism, saved where nobody logs it), the per-position tensors of the
+    slice, plus `seq_counts`, and with `support` (token ids) `support_logp`: each
+    position's mean logprob over them)."""
     mb = _label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
     here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
@@ -167,14 +170,16 @@ def forward_logprobs(
             .float()
         )
     logp = losses.label_logprobs(logits, local["labels"], temperature, layout.vocab)
-    with torch.no_grad():
-        entropy = losses.entropy_from_logits(logits.detach(), temperature, layout.vocab)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = losses.entropy_from_logits(logits.detach(), temperature, layout.vocab)
     local["seq_counts"] = mb["seq_counts"].to(device)
     if support is not None:
         local["support_logp"] = losses.support_logprob_mean(
             logits, support.to(device), layout.vocab
         )
-    return logp, entropy, local
+    return logp, ent, local
 
 
 def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
@@ -421,7 +426,10 @@ def _no_grad_logprobs(
             beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(plans)))
             if mb:
                 seqs = [shard[i] for i in mb]
-                row.append(forward_logprobs(model, batch, seqs, temperature, layout)[0])
+                logp, _, _ = forward_logprobs(
+                    model, batch, seqs, temperature, layout, entropy=False
+                )
+                row.append(logp)
             else:
                 empty_forward(model, layout)
                 row.append(None)

@@ -95,6 +95,8 @@ def test_support_mean_matches_a_plain_log_softmax() -> None:
     support = torch.tensor([1, 4, 7])
     want = torch.log_softmax(logits, -1)[:, support].mean(-1)
     assert torch.allclose(losses.support_logprob_mean(logits, support), want, atol=1e-6)
+    every = torch.log_softmax(logits, -1).mean(-1)  # the whole vocabulary: no gather
+    assert torch.allclose(losses.support_logprob_mean(logits, torch.arange(13)), every, atol=1e-6)
 
 
 @pytest.mark.parametrize(
