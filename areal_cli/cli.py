@@ -129,6 +129,7 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
     """What --dry-run says of the trainer's mesh and memory, when the model's sizes are
     known here (a local or cached config.json, or a builtin)."""
     from areal_cli.config.model_info import model_config
+    from areal_cli.config.schema import SUPERVISED
     from areal_cli.launch.layout import ModelDims, describe
 
     cfg, train = loaded.config, result.allocation.train if result.allocation else None
@@ -144,8 +145,8 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
         cfg.actor.fsdp.param_dtype,
         cfg.actor.optimizer.type,
         # the longest sequence
-        cfg.sft.max_len
-        if cfg.algorithm == "sft"
+        getattr(cfg, cfg.algorithm).max_len
+        if cfg.algorithm in SUPERVISED
         else cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens,
     )
 

@@ -57,3 +57,36 @@ def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
         return Path(snapshot_download(repo_id, repo_type=repo_type, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError):
         return None
+
+
+# A reward model as a recipe's reward: reward.fn: model:PATH (areal_cli.rollout.reward_model)
+REWARD_MODEL_PREFIX = "model:"
+
+
+def is_scalar_config(config: dict) -> bool:
+    """A sequence-classification config: a scalar head (areal_cli.models.scalar_head)."""
+    return (config.get("architectures") or [""])[0].endswith("ForSequenceClassification")
+
+
+def reward_model_path(spec: str, recipe_dir: Path | None) -> Path:
+    """The folder of a `model:PATH` spec, relative paths from the recipe's folder."""
+    path = Path(spec[len(REWARD_MODEL_PREFIX) :]).expanduser()
+    if not path.is_absolute() and recipe_dir is not None:
+        path = recipe_dir / path
+    return path
+
+
+def reward_model_problem(path: Path) -> str | None:
+    """Why PATH cannot serve as a reward model, or None when it can."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return f"{path} is not a model folder (no config.json)"
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        return f"{config_file} is not valid JSON: {exc}"
+    if not is_scalar_config(config) or config.get("num_labels", 1) != 1:
+        return f"{path} is not a reward model (a one-label *ForSequenceClassification folder)"
+    if not any(path.glob("*.safetensors")):
+        return f"{path} holds no .safetensors weights"
+    return None

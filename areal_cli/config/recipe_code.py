@@ -84,3 +84,75 @@ def load_function(spec: str, recipe_dir: Path | None) -> object:
             f"{name!r}; it defines: {', '.join(public) or 'nothing callable'}"
         )
     return fn
+
+
+def spec_problem(
+    spec: str,
+    builtins: tuple[str, ...],
+    recipe_dir: Path,
+    builtin_prefix: bool = True,
+    launch: bool = True,
+) -> tuple[str, str, bool] | None:
+    """What is wrong with a reward or workflow spec, as (message, fix, only a warning), or
+    None. A spec is `builtin:name` (a bare builtin name when not `builtin_prefix`, as
+    workflows are named) or `module:function` found beside the recipe; a reward may also be
+    `model:PATH`, a reward-model folder, which only warns when it is missing and nothing is
+    launched (a plan needs no weights, DESIGN §1)."""
+    from areal_cli.config.model_info import (
+        REWARD_MODEL_PREFIX,
+        reward_model_path,
+        reward_model_problem,
+    )
+
+    if builtin_prefix and spec.startswith(REWARD_MODEL_PREFIX):
+        path = reward_model_path(spec, recipe_dir)
+        problem = reward_model_problem(path)
+        fix = "give the final checkpoint of an algorithm: rm run, e.g. model:../runs/tiny-rm/trial0/checkpoints/step-149"
+        if problem and not path.exists() and not launch:
+            return f"{problem}; a real run needs it", fix, True
+        return (problem, fix, False) if problem else None
+    if builtin_prefix and spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1]
+        if name in builtins:
+            return None
+        return (
+            f"unknown builtin '{name}'",
+            f"use one of: {', '.join('builtin:' + b for b in builtins)}",
+            False,
+        )
+    if not builtin_prefix and spec in builtins:
+        return None
+    module, sep, func = spec.partition(":")
+    if not sep or not module or not func.isidentifier():
+        choices = ", ".join(("builtin:" if builtin_prefix else "") + b for b in builtins)
+        return (
+            f"'{spec}' is neither a builtin nor module:function",
+            f"use one of {choices}, or my_module:my_function beside the recipe",
+            False,
+        )
+    source = find_module_file(module, recipe_dir)
+    if source is None:
+        return (
+            f"module '{module}' not found",
+            f"put {module.replace('.', '/')}.py next to the recipe or install it",
+            False,
+        )
+    if source.suffix == ".py" and func not in _top_level_functions(source):
+        return f"{source.name} defines no function '{func}'", "check the function name", False
+    return None
+
+
+def _top_level_functions(source: Path) -> set[str]:
+    import ast
+
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return set()
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_cli.config.fields import field, sub
+from areal_cli.config.role_sections import RMConfig, SFTConfig
 
 
 def torch_dtype(name: str) -> Any:
@@ -30,8 +31,10 @@ def torch_dtype(name: str) -> Any:
 # The one dtype table: the names recipes use; `torch_dtype` maps a name (or the short
 # alias convert-checkpoint accepts) to torch.<name>.
 DTYPES = ("float32", "bfloat16", "float16")
-# what a recipe trains (`algorithm`); sft needs no inference server
-ALGORITHMS = ("grpo", "sft")
+# what a recipe trains (`algorithm`); the supervised roles need no inference server
+ALGORITHMS = ("grpo", "sft", "rm")
+SUPERVISED = ("sft", "rm")  # each reads the section of its own name (sft:, rm:)
+ROLE_SECTIONS = {"sft": "sft", "rm": "rm"}  # section -> the algorithm reading it
 # the top-level sections and actor keys that only an RL algorithm reads
 RL_SECTIONS = ("rollout", "gconfig", "reward", "inference", "eval")
 RL_ACTOR_KEYS = (
@@ -293,40 +296,6 @@ class TrainerConfig:
 
 
 @dataclass
-class SFTConfig:
-    """Supervised fine-tuning (algorithm: sft) on the `dataset` rows: the loss on answer
-    tokens (areal_cli.trainer.sft)."""
-
-    batch_size: int = field(32, "Examples per step, over all trainer ranks.", ge=1)
-    max_len: int = field(
-        1024, "Examples longer than this many tokens (prompt and answer) are skipped.", ge=2
-    )
-    messages_key: str = field(
-        "",
-        "Column of chat conversations ([{role, content}]), trained on the assistant turns; empty: prompt/answer rows (dataset.prompt_key, dataset.answer_key).",
-    )
-    label_smoothing: float = field(
-        0.0,
-        "Target weight moved from each answer token to the smoothing support, spread evenly.",
-        ge=0,
-        lt=1,
-    )
-    smoothing_support: str = field(
-        "vocab",
-        "Tokens label smoothing spreads over: vocab (all), or targets (the tokens that occur as targets in the training set).",
-        choices=("vocab", "targets"),
-    )
-    eval_path: str = field(
-        "",
-        "Held-out rows (.jsonl or .parquet, the dataset's columns); empty: no eval loss.",
-        path=True,
-    )
-    eval_freq_steps: int = field(
-        10, "Held-out loss every this many steps, and after the last one.", ge=1
-    )
-
-
-@dataclass
 class ParallelStrategy:
     """One side of an allocation: data, tensor, pipeline and context parallel sizes."""
 
@@ -438,10 +407,12 @@ class RewardConfig:
 
     fn: str = field(
         "builtin:exact_match",
-        "builtin:exact_match, builtin:numeric, builtin:math (math-verify), or module:function beside the recipe.",
+        "builtin:exact_match, builtin:numeric, builtin:math (math-verify), module:function beside the recipe, or model:PATH, a reward model trained with algorithm: rm (it scores prompt and completion tokens, batched; relative to the recipe).",
     )
     timeout_s: float = field(
-        10.0, "A reward call that takes longer scores 0 (counted in metrics).", gt=0
+        10.0,
+        "A reward call that takes longer scores 0 (counted in metrics); for model:PATH, one batch of calls.",
+        gt=0,
     )
     num_workers: int = field(1, "Worker processes that compute rewards.", ge=1)
 
@@ -575,7 +546,7 @@ class ExperimentConfig:
     )
     algorithm: str = field(
         "grpo",
-        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss) or sft (supervised on dataset answers; no inference server).",
+        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss), sft (supervised on dataset answers) or rm (a reward model on preference pairs); sft and rm start no inference server.",
         choices=ALGORITHMS,
     )
     seed: int = field(1, "Global seed of the trainer and the rollout loop.", ge=0)
@@ -586,6 +557,7 @@ class ExperimentConfig:
     actor: TrainEngineConfig = sub(TrainEngineConfig)
     trainer: TrainerConfig = sub(TrainerConfig)
     sft: SFTConfig = sub(SFTConfig)
+    rm: RMConfig = sub(RMConfig)
     rollout: RolloutConfig = sub(RolloutConfig)
     gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
     dataset: DatasetConfig = sub(DatasetConfig)

@@ -9,7 +9,6 @@ laptop.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from dataclasses import dataclass, field
@@ -18,12 +17,18 @@ from pathlib import Path
 from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
 from areal_cli.config.errors import ConfigErrors, ConfigProblem
 from areal_cli.config.loader import LoadedConfig, is_hub_id
-from areal_cli.config.model_info import cached_snapshot, model_config, parallel_problem
-from areal_cli.config.recipe_code import find_module_file
+from areal_cli.config.model_info import (
+    cached_snapshot,
+    model_config,
+    parallel_problem,
+)
+from areal_cli.config.recipe_code import spec_problem
 from areal_cli.config.schema import (
     BUILTIN_MODELS,
     RL_ACTOR_KEYS,
     RL_SECTIONS,
+    ROLE_SECTIONS,
+    SUPERVISED,
     ExperimentConfig,
 )
 
@@ -88,7 +93,8 @@ def check_config(
     key in `invalid` (already reported by the loader) are skipped."""
     c = _Checker(loaded, invalid)
     _check_names(c)
-    supervised = c.cfg.algorithm == "sft" and command != "eval"
+    supervised = c.cfg.algorithm in SUPERVISED and command != "eval"
+    _check_role_sections(c)
     if supervised:
         _check_role_keys(c)
     mode = _check_allocation(c, command, supervised) if c.valid("allocation_mode") else None
@@ -105,8 +111,12 @@ def check_config(
     if command in ("train", "validate") and c.valid("dataset"):
         _check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
     if supervised:
-        if c.valid("sft.eval_path") and c.cfg.sft.eval_path:
-            _check_dataset(c, "sft.eval_path", c.cfg.sft.eval_path, launch, required=False)
+        role = c.cfg.algorithm
+        held_out = getattr(c.cfg, role).eval_path
+        if c.valid(f"{role}.eval_path") and held_out:
+            _check_dataset(c, f"{role}.eval_path", held_out, launch, required=False)
+        if role == "rm":
+            _check_reward_model(c, mode)
     else:
         _check_rl(c, command, launch)
     _check_planned(c)
@@ -115,11 +125,9 @@ def check_config(
 
 def _check_rl(c: _Checker, command: str, launch: bool) -> None:
     """The rules of the RL algorithm's own keys: rollout, reward, workflow, eval."""
-    if c.cfg.algorithm != "sft" and ("sft",) in c.loaded.locations:
-        c.error("sft", "is only read by algorithm: sft", "remove it, or set algorithm: sft")
     _check_rollout(c)
     if command in ("train", "validate"):
-        _check_callable(c, "reward.fn", c.cfg.reward.fn, BUILTIN_REWARDS)
+        _check_callable(c, "reward.fn", c.cfg.reward.fn, BUILTIN_REWARDS, launch=launch)
         _check_callable(
             c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
         )
@@ -127,7 +135,7 @@ def _check_rl(c: _Checker, command: str, launch: bool) -> None:
         _check_dataset(
             c, "eval.dataset", c.cfg.eval.dataset.path, launch, required=command == "eval"
         )
-        _check_callable(c, "eval.reward.fn", c.cfg.eval.reward.fn, BUILTIN_REWARDS)
+        _check_callable(c, "eval.reward.fn", c.cfg.eval.reward.fn, BUILTIN_REWARDS, launch=launch)
     _check_eval(c)
 
 
@@ -162,7 +170,7 @@ def _check_allocation(c: _Checker, command: str, supervised: bool) -> Allocation
         if mode.inference is not None:
             c.error(
                 "allocation_mode",
-                f"algorithm: sft starts no inference server, but '{c.cfg.allocation_mode}' has one",
+                f"algorithm: {c.cfg.algorithm} starts no inference server, but '{c.cfg.allocation_mode}' has one",
                 f"give the trainer only, e.g. allocation_mode: {_train_part(c.cfg.allocation_mode)}",
             )
         if mode.train is None:
@@ -198,8 +206,43 @@ def _train_part(allocation: str) -> str:
     return parts[0] if parts else "fsdp:d2"
 
 
+def _check_role_sections(c: _Checker) -> None:
+    """A role's own section (sft:, rm:) under another algorithm is an error."""
+    for section, role in ROLE_SECTIONS.items():
+        if c.cfg.algorithm != role and (section,) in c.loaded.locations:
+            c.error(
+                section,
+                f"is only read by algorithm: {role}",
+                f"remove it, or set algorithm: {role}",
+            )
+
+
+def _check_reward_model(c: _Checker, mode: AllocationMode | None) -> None:
+    """algorithm: rm puts a scalar head on a causal LM (or trains a scalar-head model on);
+    its score is read at each sequence's last token, which context parallelism would put
+    on another rank, so c > 1 is refused."""
+    if mode is not None and mode.train is not None and mode.train.context_parallel_size > 1:
+        c.error(
+            "allocation_mode",
+            "algorithm: rm does not support context parallelism (c > 1) yet",
+            f"drop c from '{c.cfg.allocation_mode}'; reward models see short sequences",
+        )
+    config = model_config(c.cfg.model.path) if c.valid("model.path") else None
+    if config is None or "architectures" not in config:
+        return  # a builtin (a causal LM), or a model that is not on this machine
+    architecture = (config.get("architectures") or [""])[0]
+    if not (
+        architecture.endswith("ForCausalLM") or architecture.endswith("ForSequenceClassification")
+    ):
+        c.error(
+            "model.path",
+            f"algorithm: rm needs a causal LM or a sequence-classification model, but {c.cfg.model.path} is a {architecture or 'model with no architectures entry'}",
+            "give an HF folder whose config.json names a *ForCausalLM architecture",
+        )
+
+
 def _check_role_keys(c: _Checker) -> None:
-    """Under algorithm: sft, a key that only RL reads is an error (it would be ignored)."""
+    """Under a supervised role, a key that only RL reads is an error (it would be ignored)."""
     seen: set[str] = set()
     for path in c.loaded.locations:
         if path[0] in RL_SECTIONS:
@@ -212,7 +255,7 @@ def _check_role_keys(c: _Checker) -> None:
             seen.add(key)
             c.error(
                 key,
-                "is not used by algorithm: sft (it trains on the dataset's answers, with no rollouts or inference server)",
+                f"is not used by algorithm: {c.cfg.algorithm} (it trains on the dataset's rows, with no rollouts or inference server)",
                 "remove it, or set algorithm: grpo",
             )
 
@@ -512,55 +555,20 @@ def _path_key(key: str) -> str:
 
 
 def _check_callable(
-    c: _Checker, key: str, spec: str, builtins: tuple[str, ...], builtin_prefix: bool = True
+    c: _Checker,
+    key: str,
+    spec: str,
+    builtins: tuple[str, ...],
+    builtin_prefix: bool = True,
+    launch: bool = True,
 ) -> None:
-    """`builtin:name` (or a bare builtin name) or `module:function` found beside the recipe."""
+    """A reward or workflow spec (see recipe_code.spec_problem)."""
     if not c.valid(key):
         return
-    if builtin_prefix and spec.startswith("builtin:"):
-        name = spec.split(":", 1)[1]
-        if name not in builtins:
-            c.error(
-                key,
-                f"unknown builtin '{name}'",
-                f"use one of: {', '.join('builtin:' + b for b in builtins)}",
-            )
-        return
-    if not builtin_prefix and spec in builtins:
-        return
-    module, sep, func = spec.partition(":")
-    if not sep or not module or not func.isidentifier():
-        choices = ", ".join(("builtin:" if builtin_prefix else "") + b for b in builtins)
-        c.error(
-            key,
-            f"'{spec}' is neither a builtin nor module:function",
-            f"use one of {choices}, or my_module:my_function beside the recipe",
-        )
-        return
-    source = find_module_file(module, c.loaded.recipe.resolve().parent)
-    if source is None:
-        c.error(
-            key,
-            f"module '{module}' not found",
-            f"put {module.replace('.', '/')}.py next to the recipe or install it",
-        )
-        return
-    if source.suffix == ".py" and func not in _top_level_functions(source):
-        c.error(key, f"{source.name} defines no function '{func}'", "check the function name")
-
-
-def _top_level_functions(source: Path) -> set[str]:
-    try:
-        tree = ast.parse(source.read_text())
-    except (OSError, SyntaxError):
-        return set()
-    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
-        t.id
-        for n in tree.body
-        if isinstance(n, ast.Assign)
-        for t in n.targets
-        if isinstance(t, ast.Name)
-    }
+    found = spec_problem(spec, builtins, c.loaded.recipe.resolve().parent, builtin_prefix, launch)
+    if found is not None:
+        message, fix, only_warn = found
+        (c.warn if only_warn else c.error)(key, message, fix)
 
 
 def _check_eval(c: _Checker) -> None:

@@ -146,6 +146,13 @@ def format_prompt(tokenizer: Any, row: Mapping[str, Any], cfg: DatasetConfig) ->
     return ids if len(ids) <= cfg.max_prompt_len else None
 
 
+def reply_ids(tokenizer: Any, answer: Any, where: str) -> list[int]:
+    """An answer's tokens as a model would generate them: its text, then EOS."""
+    if not isinstance(answer, (str, int, float)):
+        raise DatasetError(f"{where}: answer must be text, got {answer!r:.60}")
+    return [*tokenizer.encode(str(answer), add_special_tokens=False), tokenizer.eos_token_id]
+
+
 def chat_ids(
     tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
 ) -> list[int]:

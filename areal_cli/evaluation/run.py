@@ -253,7 +253,9 @@ async def _score_all(
                 episode = EpisodeClient(client, tokenizer, gconfig, rewards, seed)
                 turn = await episode.generate(prompt.input_ids)
                 result = await episode.reward(
-                    turn.text, {"answer": prompt.answer, "row": prompt.row}
+                    turn.text,
+                    {"answer": prompt.answer, "row": prompt.row},
+                    list(prompt.input_ids) + list(turn.output_ids),
                 )
                 row = {
                     "prompt_index": prompt.index,

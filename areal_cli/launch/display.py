@@ -7,6 +7,7 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
+from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch.plan import REDACTED, LaunchPlan
 
 
@@ -23,8 +24,10 @@ def print_plan(
     for column in ("process", "role", "devices", "ports", "log"):
         table.add_column(column, overflow="fold")
     controller = "this process (areal train)"
-    if plan.algorithm == "sft":
-        console.print("algorithm sft: no inference server; the trainer reads the dataset itself")
+    if plan.algorithm in SUPERVISED:
+        console.print(
+            f"algorithm {plan.algorithm}: no inference server; the trainer reads the dataset itself"
+        )
         controller += ", follows the trainer"
     table.add_row("controller", controller, "-", "-", f"{plan.run_dir}/logs/controller.log")
     for proc in plan.processes:

@@ -1,4 +1,4 @@
-"""The controller of a role with no inference server (`algorithm: sft`): it follows the
+"""The controller of a role with no inference server (`algorithm: sft`, `rm`): it follows the
 trainer instead of feeding it.
 
 The trainer reads its own data, so the controller only turns each line the trainer
@@ -25,6 +25,12 @@ FOLLOWED_KEYS = (
     "nll",
     "eval_loss",
     "eval_loss_initial",
+    "accuracy",
+    "margin",
+    "chosen_score",
+    "pairs",
+    "eval_accuracy",
+    "eval_accuracy_initial",
     "grad_norm",
     "tokens",
     "loss_tokens",

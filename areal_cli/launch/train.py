@@ -4,7 +4,7 @@ Setup: create the run directory and write config.yaml and plan.json (areal_cli.r
 build a builtin model into RUN/model, and start every process of the plan (servers and
 the torchrun trainer) through the local runner.
 
-With `algorithm: sft` there is no server and no rollout loop: the controller follows the
+With a supervised role (`algorithm: sft` or `rm`) there is no server and no rollout loop: the controller follows the
 trainer (areal_cli.launch.follow), with the same watchdog. Otherwise
 the controller's rollout loop runs (areal_cli.rollout.controller) with two hooks
 from here: one returns when the trainer has exited cleanly and raises as soon as any
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.config.loader import LoadedConfig, to_yaml
+from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
 from areal_cli.launch.watchdog import RunStuck, watch
@@ -97,14 +98,18 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
         sink.start(cfg, start_step)
-        if cfg.algorithm == "sft":  # no rollouts: follow the trainer, which reads its data
+        if cfg.algorithm in SUPERVISED:  # no rollouts: follow the trainer, which reads its data
             from areal_cli.launch.follow import follow_trainer
 
             loop = follow_trainer(
                 run_dir,
                 sink,
                 until_trainer_done=lambda: _trainer_done(runner),
-                guards=[watch(cfg, run_dir, None, {}, lambda: "no rollouts (algorithm: sft)")],
+                guards=[
+                    watch(
+                        cfg, run_dir, None, {}, lambda: f"no rollouts (algorithm: {cfg.algorithm})"
+                    )
+                ],
             )
         else:
             loop = run_loop(

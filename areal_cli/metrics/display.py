@@ -25,6 +25,7 @@ SHOWN = (
     "gen_tokens_per_s",
     "loss",
     "eval_loss",
+    "eval_accuracy",
     "trainer_step_s",
     "handoff_latency_s",
 )
@@ -174,6 +175,8 @@ def _format(m: dict[str, float]) -> str:
         parts = [f"loss {m.get('loss', float('nan')):.4f}"]
         if "eval_loss" in m:
             parts.append(f"eval_loss {m['eval_loss']:.4f}")
+        if "eval_accuracy" in m:
+            parts.append(f"eval_accuracy {m['eval_accuracy']:.3f}")
         parts.append(f"train {m.get('trainer_step_s', 0):.2f}s")
         return "  ".join(parts)
     parts = [
@@ -247,7 +250,8 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
 def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
     """RUN/loss_curve.png for a supervised role: the training NLL per step (without label
     smoothing, so it compares with the held-out loss), and the held-out loss where it was
-    measured (before the first step, then every sft.eval_freq_steps)."""
+    measured (before the first step, then every ROLE.eval_freq_steps). A reward model's
+    loss is per pair, and its held-out accuracy is drawn beside."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,7 +273,13 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
             label="held-out loss",
         )
     ax.set_xlabel("trainer step")
-    ax.set_ylabel("loss per target token")
+    ax.set_ylabel("loss per pair" if "accuracy" in history[0] else "loss per target token")
+    accuracy = [(h["step"] + 1, h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
+    accuracy[:0] = [
+        (0, h["eval_accuracy_initial"]) for h in history if "eval_accuracy_initial" in h
+    ]
+    if accuracy:
+        ax.plot(*zip(*accuracy, strict=True), marker="s", label="held-out pairwise accuracy")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     return _save(fig, path)

@@ -79,6 +79,37 @@ def write_arith_data(out_dir: Path, seed: int = 0) -> list[Path]:
     return paths
 
 
+PREFERENCE_FILES = (("arith_pref_train.jsonl", 2000), ("arith_pref_test.jsonl", 200))
+
+
+def preference_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
+    """`n` preference pairs for reward-model training: {"prompt": "What is 3+5?",
+    "chosen": "8", "rejected": "7"}. The rejected answer is wrong: half the time off by one
+    or two (the near misses a policy makes), else any other sum of the task."""
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        right = a + b
+        if rng.random() < 0.5:
+            wrong = right + rng.choice([d for d in (-2, -1, 1, 2) if right + d >= 0])
+        else:
+            wrong = rng.choice([v for v in range(MAX_SUM + 1) if v != right])
+        rows.append({"prompt": f"What is {a}+{b}?", "chosen": str(right), "rejected": str(wrong)})
+    return rows
+
+
+def write_preference_data(out_dir: Path, seed: int = 0) -> list[Path]:
+    """The train and test preference files (recipes/data holds these for seed 0)."""
+    rng = random.Random(seed + 1)
+    paths = []
+    for name, n in PREFERENCE_FILES:
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(rng, n)))
+        tmp.replace(out_dir / name)
+        paths.append(out_dir / name)
+    return paths
+
+
 def problems() -> list[tuple[int, int]]:
     """The whole task space: every (a, b) with single digits."""
     return [(a, b) for a in range(10) for b in range(10)]

@@ -2,7 +2,10 @@
 
 A reward is ``fn(completion: str, answer: str, **sample_fields) -> float``. Recipes name one as
 ``builtin:NAME`` (``exact_match``, ``numeric``, ``math``) or ``module:function``, where the module is
-a ``.py`` file beside the recipe or an importable module.
+a ``.py`` file beside the recipe or an importable module. ``model:PATH`` names a trained reward
+model instead (areal_cli.rollout.reward_model), which scores the token ids of prompt and
+completion; the pool batches its calls: those that arrive within a few milliseconds of each
+other (up to ``BATCH_MAX``) go to a worker as one request, and ``timeout_s`` bounds that request.
 
 :class:`RewardPool` runs rewards in separate worker processes. A call that raises scores 0.0 and is
 counted in ``n_errors``; a call that outruns ``timeout_s`` scores 0.0, is counted in ``n_timeouts``,
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from areal_cli.config.schema import RewardConfig
 
 RewardFn = Callable[..., float]
+BATCH_MAX = 64  # sequences per request to a model reward's worker
+BATCH_WAIT_S = 0.005  # how long the first call of a batch waits for others to join
 
 # The last number of a text: optional sign (not after a word char or ")", so "10-2" is 2),
 # thousands groups like 1,234 (exactly three digits per group), decimals and an exponent.
@@ -125,11 +130,17 @@ _WARM_IMPORTS: dict[str, tuple[str, ...]] = {"math": ("math_verify",)}
 
 
 def resolve_reward(spec: str, recipe_dir: Path | str | None = None) -> RewardFn:
-    """The reward named by ``builtin:NAME`` or ``module:function`` (module beside the recipe first)."""
+    """The reward named by ``builtin:NAME``, ``model:PATH`` or ``module:function`` (module
+    beside the recipe first)."""
+    from areal_cli.rollout import reward_model
+
+    if spec.startswith(reward_model.PREFIX):
+        folder = reward_model.model_path(spec, Path(recipe_dir) if recipe_dir else None)
+        return reward_model.RewardModel(folder)
     prefix, sep, name = spec.partition(":")
     if not sep or not prefix or not name:
         raise ValueError(
-            f"reward {spec!r}: expected builtin:NAME or module:function "
+            f"reward {spec!r}: expected builtin:NAME, model:PATH or module:function "
             f"(builtins: {', '.join(sorted(BUILTINS))})"
         )
     if prefix == "builtin":
@@ -198,6 +209,8 @@ def _worker_main(conn: Connection, spec: str, recipe_dir: str | None) -> None:
         prefix, _, name = spec.partition(":")
         for module in _WARM_IMPORTS.get(name, ()) if prefix == "builtin" else ():
             importlib.import_module(module)
+        if getattr(fn, "batched", False):
+            fn.load()  # type: ignore[attr-defined]  # before "ready": the first call's timeout excludes it
     except BaseException as exc:
         conn.send(("fatal", _describe(exc)))
         return
@@ -209,8 +222,11 @@ def _worker_main(conn: Connection, spec: str, recipe_dir: str | None) -> None:
             return
         if request is None:
             return
-        completion, answer, fields = request
         try:
+            if request[0] == "batch":
+                conn.send(("ok", fn.score_ids(request[1])))  # type: ignore[attr-defined]
+                continue
+            _, completion, answer, fields = request
             conn.send(("ok", call_reward(fn, completion, answer, fields)))
         except Exception as exc:
             conn.send(("error", _describe(exc)))
@@ -331,12 +347,17 @@ class RewardPool:
             raise ValueError("num_workers must be >= 1 and timeouts > 0")
         self.spec = spec
         self.recipe_dir = Path(recipe_dir) if recipe_dir else None
-        resolve_reward(spec, self.recipe_dir)  # a bad spec fails here, in the caller, clearly
+        # a bad spec fails here, in the caller, clearly
+        self.batched = bool(getattr(resolve_reward(spec, self.recipe_dir), "batched", False))
+        self._pending: list[tuple[list[int], asyncio.Future[RewardResult]]] = []
+        self._flusher: asyncio.Task | None = None
+        self._batches: set[asyncio.Task] = set()
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.n_calls = 0
         self.n_errors = 0
         self.n_timeouts = 0
+        self.n_batches = 0  # requests that carried a batch (model rewards)
         self._workers = [self._spawn() for _ in range(num_workers)]
         # Kills workers even if close() is never called (pool garbage-collected, interpreter exit).
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
@@ -350,16 +371,23 @@ class RewardPool:
         return cls(cfg.fn, recipe_dir, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
 
     async def score(
-        self, completion: str, answer: str, fields: Mapping[str, Any] | None = None
+        self,
+        completion: str,
+        answer: str,
+        fields: Mapping[str, Any] | None = None,
+        ids: list[int] | None = None,
     ) -> RewardResult:
-        """Score one completion against its reference answer (``fields``: the rest of the row)."""
+        """Score one completion against its reference answer (``fields``: the rest of the row;
+        ``ids``: the prompt's and completion's token ids, which a model reward scores)."""
         if self._closed:
             raise RuntimeError("reward pool is closed")
+        if self.batched:
+            return await self._score_in_batch(ids)
         worker = await self._acquire()
         self.n_calls += 1
         keep = False
         try:
-            result = await self._call(worker, (completion, answer, dict(fields or {})))
+            result = await self._call(worker, ("one", completion, answer, dict(fields or {})))
             keep = True
         except _Failed as failure:
             result = RewardResult(0.0, str(failure), failure.timed_out)
@@ -367,13 +395,57 @@ class RewardPool:
             result = RewardResult(0.0, _describe(exc))
         finally:  # on cancellation too: a worker with a call in flight cannot be reused
             self._release(worker, keep)
+        return self._count(result)
+
+    def _count(self, result: RewardResult) -> RewardResult:
         if result.timed_out:
             self.n_timeouts += 1
         elif result.error is not None:
             self.n_errors += 1
         return result
 
-    async def _call(self, worker: _Worker, request: tuple[str, str, dict]) -> RewardResult:
+    async def _score_in_batch(self, ids: list[int] | None) -> RewardResult:
+        """Queue one sequence for the next batch and wait for its score."""
+        self.n_calls += 1
+        if not ids:
+            return self._count(RewardResult(0.0, "a model reward needs the token ids to score"))
+        future: asyncio.Future[RewardResult] = asyncio.get_running_loop().create_future()
+        self._pending.append((list(ids), future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return self._count(await future)
+
+    async def _flush(self) -> None:
+        """Send the queued sequences in batches of up to BATCH_MAX, each to a free worker."""
+        while self._pending:
+            await asyncio.sleep(BATCH_WAIT_S)  # let the calls that arrive together join
+            take = [p for p in self._pending[:BATCH_MAX] if not p[1].done()]
+            del self._pending[:BATCH_MAX]
+            if take:
+                task = asyncio.ensure_future(self._run_batch(take))
+                self._batches.add(task)
+                task.add_done_callback(self._batches.discard)
+
+    async def _run_batch(self, take: list[tuple[list[int], asyncio.Future[RewardResult]]]) -> None:
+        worker = await self._acquire()
+        self.n_batches += 1
+        keep = False
+        try:
+            values = await self._call(worker, ("batch", [ids for ids, _ in take]))
+            keep = True
+            if values.error is not None:
+                results = [values] * len(take)
+            else:
+                results = [RewardResult(float(v)) for v in values.value]  # type: ignore[union-attr]
+        except _Failed as failure:
+            results = [RewardResult(0.0, str(failure), failure.timed_out)] * len(take)
+        finally:
+            self._release(worker, keep)
+        for (_, future), result in zip(take, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+    async def _call(self, worker: _Worker, request: tuple) -> RewardResult:
         """Send one request to ``worker`` and wait for its answer; raises _Failed if it broke."""
         if not worker.ready:
             await self._wait_ready(worker)
@@ -445,6 +517,13 @@ class RewardPool:
         if self._closed:
             return
         self._closed = True
+        for task in [self._flusher, *self._batches]:
+            if task is not None and not task.done():
+                task.cancel()
+        for _, future in self._pending:
+            if not future.done() and not future.get_loop().is_closed():
+                future.set_exception(RuntimeError("reward pool is closed"))
+        self._pending.clear()
         polite = [w for w in self._idle if w.ready and w.alive()]
         for worker in polite:
             worker.request_stop()

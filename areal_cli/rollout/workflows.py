@@ -119,9 +119,10 @@ class EpisodeClient:
         finish = (meta.get("finish_reason") or {}).get("type", "")
         return Turn(ids, logprobs, _token_versions(meta, len(ids)), out.get("text", ""), finish)
 
-    async def reward(self, text: str, sample: dict[str, Any]) -> Any:
-        """Score `text` against the sample's answer (RewardResult: value, error, timed_out)."""
-        return await self._reward.score(text, str(sample["answer"]), sample.get("row", {}))
+    async def reward(self, text: str, sample: dict[str, Any], ids: list[int] | None = None) -> Any:
+        """Score `text` against the sample's answer (RewardResult: value, error, timed_out);
+        `ids`, the whole conversation's tokens, are what a model reward scores."""
+        return await self._reward.score(text, str(sample["answer"]), sample.get("row", {}), ids=ids)
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat with the generation prompt appended."""
@@ -137,7 +138,8 @@ async def single_turn(client: EpisodeClient, sample: dict[str, Any]) -> Trajecto
     turn = await client.generate(sample["prompt_ids"])
     traj.add_turn(turn)
     traj.text = turn.text
-    _score(traj, await client.reward(turn.text, sample))
+    ids = list(sample["prompt_ids"]) + list(turn.output_ids)
+    _score(traj, await client.reward(turn.text, sample, ids))
     return traj
 
 
@@ -160,7 +162,7 @@ async def multi_turn(
         traj.add_turn(turn)
         traj.text = turn.text
         context += turn.output_ids
-        result = await client.reward(turn.text, sample)
+        result = await client.reward(turn.text, sample, context)
         if result.value > 0 or attempt == max_turns - 1:
             break
         feedback = _feedback_ids(client, turn)

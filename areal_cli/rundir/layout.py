@@ -40,6 +40,11 @@ def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
     return cfg.model.path
 
 
+# RUN/model-rm: the model a reward-model run trains, the body of model.path with a scalar
+# head (written by the trainer; areal_cli.models.scalar_head)
+SCALAR_MODEL_DIR = "model-rm"
+
+
 def model_files_to_copy(model_dir: Path) -> list[Path]:
     """Config, generation config and tokenizer files to ship beside exported weights."""
     return [

@@ -9,9 +9,12 @@ Setup, then the loop, then cleanup:
   loop    for each step s: wait for RUN/rollouts/step-s (or DIR/step-s with --batches),
           train, publish weights RUN/weights/v{s+1}, append one line of stats to
           RUN/logs/trainer-metrics.jsonl, and every recover.freq_steps write RUN/recover.
-          With algorithm: sft the batch is step s's examples of the dataset (see
-          areal_cli.trainer.sft), with the held-out loss every sft.eval_freq_steps, and
-          nothing is published (there is no server).
+          Under a supervised role (algorithm: sft or rm) the batch is step s's rows of
+          the dataset (see areal_cli.trainer.sft and .rm), with the held-out metrics
+          every ROLE.eval_freq_steps, and nothing is published (there is no server).
+          algorithm: rm trains a scalar head on the model's body: rank 0 first writes
+          that model to RUN/model-rm (areal_cli.models.scalar_head) unless model.path
+          already has a scalar head.
   cleanup final HF checkpoint under RUN/checkpoints when saver says so; destroy the group.
 
 Each rank reports the phase it is in to RUN/heartbeat/trainer-<rank>.json (see
@@ -171,6 +174,8 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     mesh = build_mesh(device_type, cfg.allocation_mode)
     torch.manual_seed(cfg.seed)
     model_dir = Path(initial_model_path(cfg, run_dir))
+    if cfg.algorithm == "rm":
+        model_dir = scalar_model_dir(cfg, model_dir, run_dir, beat)
     build = {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
     beat.phase("build model")
     model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp, **build)
@@ -181,18 +186,22 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         ).eval()
         ref_model.requires_grad_(False)
     optimizer, scheduler = build_optimizer(model, cfg)
-    vocab_size = model.get_output_embeddings().weight.shape[0]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab_size = head.weight.shape[0] if head is not None else model.config.vocab_size
     layout = step_layout(mesh, vocab_size)
-    data = None
+    role = None  # a supervised role (sft, rm): what each step trains on
     if cfg.algorithm == "sft":
         from areal_cli.trainer.sft import SFTData
 
         beat.phase("tokenize dataset")
-        data = SFTData.from_config(cfg, model_dir, vocab_size)
-        print0(
-            f"[trainer] sft: {len(data.train)} examples ({data.train.skipped} longer than "
-            f"sft.max_len skipped), {len(data.eval) if data.eval else 0} held out"
-        )
+        role = SFTData.from_config(cfg, model_dir, vocab_size)
+    elif cfg.algorithm == "rm":
+        from areal_cli.trainer.rm import RewardModelRole
+
+        beat.phase("tokenize dataset")
+        role = RewardModelRole.from_config(cfg, model_dir)
+    if role is not None:
+        print0(f"[trainer] {role.describe()}")
     start = 0
     if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
         beat.phase(f"load {entry.path.name}")
@@ -200,7 +209,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         scheduler.load_state_dict(state["scheduler"])
         start = state["step"] + 1
         beat.steps_done = start
-        if data is None:  # republish the restored weights: servers continue from exactly them
+        if role is None:  # republish the restored weights: servers continue from exactly them
             meta = {"step": start - 1, "resumed": True}
             checkpoint.export_hf(
                 run_dir / "weights",
@@ -215,17 +224,17 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     last = min(
         cfg.total_train_steps, args.steps if args.steps is not None else cfg.total_train_steps
     )
-    initial_eval_loss = None
-    if data is not None and data.eval is not None and start == 0:
-        from areal_cli.trainer.sft import eval_loss
-
-        initial_eval_loss = eval_loss(model, data.eval, cfg.actor, layout, beat.phase)
-        print0(f"[trainer] eval_loss before training {initial_eval_loss:.4f}")
+    initial_eval = {}
+    if role is not None and role.has_eval and start == 0:
+        initial_eval = role.evaluate(cfg, model, layout, beat.phase)
+        print0(f"[trainer] before training {_eval_line(initial_eval)}")
     for step in range(start, last):
-        if data is not None:
-            record = run_sft_step(step, cfg, model, optimizer, scheduler, data, beat, layout, last)
-            if initial_eval_loss is not None and step == 0:  # where the held-out curve starts
-                record["eval_loss_initial"] = initial_eval_loss
+        if role is not None:
+            record = run_supervised_step(
+                step, cfg, model, optimizer, scheduler, role, beat, layout, last
+            )
+            if step == 0:  # where the held-out curves start
+                record.update({f"{k}_initial": v for k, v in initial_eval.items()})
             finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat)
             continue
         run_one_step(
@@ -332,33 +341,39 @@ def run_one_step(
     return record
 
 
-def run_sft_step(step, cfg, model, optimizer, scheduler, data, beat, layout, last) -> dict:
-    """Train on step `step`'s examples; the held-out loss when it is due."""
-    from areal_cli.trainer.sft import eval_loss, sft_step, step_indices
+def scalar_model_dir(
+    cfg: ExperimentConfig, model_dir: Path, run_dir: Path, beat: Heartbeat
+) -> Path:
+    """The scalar-head model a reward model trains: model.path itself when it has one,
+    else RUN/model-rm, written by rank 0 from model.path's body (the other ranks wait)."""
+    from areal_cli.models.scalar_head import is_scalar_config, make_scalar_folder
+    from areal_cli.rundir.layout import SCALAR_MODEL_DIR
 
+    if is_scalar_config(json.loads((model_dir / "config.json").read_text())):
+        return model_dir
+    out = run_dir / SCALAR_MODEL_DIR
+    beat.phase("add a scalar head")
+    if dist.get_rank() == 0:
+        make_scalar_folder(model_dir, out, cfg.seed)
+    dist.barrier()
+    return out
+
+
+def _eval_line(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+
+
+def run_supervised_step(step, cfg, model, optimizer, scheduler, role, beat, layout, last) -> dict:
+    """Train on step `step`'s rows; the held-out metrics when they are due."""
     start = time.perf_counter()
-    beat.phase(f"step {step}: batch")
-    index = step_indices(
-        len(data.train), cfg.sft.batch_size, step, cfg.dataset.seed, cfg.dataset.shuffle
-    )
-    stats = sft_step(
-        model,
-        optimizer,
-        scheduler,
-        data.train.batch(index),
-        cfg,
-        data.support,
-        layout,
-        lambda phase: beat.phase(f"step {step}: {phase}"),
-    )
+    in_step = lambda phase: beat.phase(f"step {step}: {phase}")  # noqa: E731
+    stats = role.step(step, cfg, model, optimizer, scheduler, layout, in_step)
     record = {**_memory_mb(model, optimizer), "step": step, **stats}
     record["train_s"] = time.perf_counter() - start
     line = f"[trainer] step {step} loss {stats['loss']:.4f} grad_norm {stats['grad_norm']:.3f}"
-    if data.eval is not None and ((step + 1) % cfg.sft.eval_freq_steps == 0 or step + 1 == last):
-        record["eval_loss"] = eval_loss(
-            model, data.eval, cfg.actor, layout, lambda p: beat.phase(f"step {step}: {p}")
-        )
-        line += f" eval_loss {record['eval_loss']:.4f}"
+    if role.due(cfg, step, last):
+        record.update(role.evaluate(cfg, model, layout, in_step))
+        line += " " + _eval_line({k: v for k, v in record.items() if k.startswith("eval_")})
     print0(line + f" train {record['train_s']:.2f}s")
     beat.step_s = time.perf_counter() - start
     return record

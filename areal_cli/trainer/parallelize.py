@@ -84,18 +84,15 @@ def apply_tensor_parallel(model: nn.Module, tmesh: TrainerMesh) -> None:
     plan = {name: styles[style]() for name, style in _TP_LAYER.items()}
     for layer in model.model.layers:
         parallelize_module(layer, tmesh.tensor, plan)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    parallelize_module(
-        model,
-        tmesh.tensor,
-        {
-            "model.embed_tokens": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            ),
-            # The logits stay split over the vocabulary (see losses.token_logprobs).
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
-        },
-    )
+    root = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    }
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    if head is not None:  # a scalar head stays whole: its input is replicated
+        # The logits stay split over the vocabulary (see losses.token_logprobs).
+        root["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)
+    parallelize_module(model, tmesh.tensor, root)
     if tied:  # both split the same [vocab, hidden] rows: keep one parameter for both
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
@@ -139,6 +136,31 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     return model
 
 
+class ScalarHeadModel(nn.Module):
+    """A causal LM's body and a linear head giving one score per token (reward models;
+    see areal_cli.models.scalar_head). Its parameters are named as in HF's
+    *ForSequenceClassification (`model.*`, `score.weight`), so checkpoints go both ways;
+    `forward` returns the scores [batch, tokens]."""
+
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        from transformers import AutoModel
+
+        super().__init__()
+        self.config = config
+        self.model = AutoModel.from_config(config, dtype=dtype)
+        self.score = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype)
+        self._no_split_modules = getattr(self.model, "_no_split_modules", None)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False
+    ) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+        return self.score(out.last_hidden_state).squeeze(-1)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+
 def _load_full_state(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -159,14 +181,20 @@ def build_sharded_model(
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """An FSDP2-sharded HF causal LM with the weights of `model_dir`."""
+    """An FSDP2-sharded HF causal LM with the weights of `model_dir`, or a
+    `ScalarHeadModel` when `model_dir` is a sequence-classification folder."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from areal_cli.models.scalar_head import is_scalar_config
+
     config = AutoConfig.from_pretrained(model_dir)
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+        if is_scalar_config(config.to_dict()):
+            model = ScalarHeadModel(config, torch_dtype(dtype))
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -40,7 +40,13 @@ import torch
 from torch import nn
 
 from areal_cli.config.schema import ExperimentConfig, TrainEngineConfig
-from areal_cli.data.prompts import DatasetError, chat_ids, format_prompt, load_prompts
+from areal_cli.data.prompts import (
+    DatasetError,
+    chat_ids,
+    format_prompt,
+    load_prompts,
+    reply_ids,
+)
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
 from areal_cli.trainer.step import (
@@ -116,6 +122,35 @@ class SFTData:
                 support = torch.arange(vocab_size)
         return cls(train, held_out, support)
 
+    # the interface of a supervised role, as the trainer's loop drives it (trainer.main)
+
+    def describe(self) -> str:
+        return (
+            f"sft: {len(self.train)} examples ({self.train.skipped} longer than sft.max_len "
+            f"skipped), {len(self.eval) if self.eval else 0} held out"
+        )
+
+    def step(self, step, cfg, model, optimizer, scheduler, layout, beat) -> dict[str, float]:
+        """One optimizer step on step `step`'s examples."""
+        index = step_indices(
+            len(self.train), cfg.sft.batch_size, step, cfg.dataset.seed, cfg.dataset.shuffle
+        )
+        batch = self.train.batch(index)
+        return sft_step(model, optimizer, scheduler, batch, cfg, self.support, layout, beat)
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval is not None
+
+    def due(self, cfg: ExperimentConfig, step: int, last: int) -> bool:
+        return self.eval is not None and (
+            (step + 1) % cfg.sft.eval_freq_steps == 0 or step + 1 == last
+        )
+
+    def evaluate(self, cfg, model, layout, beat) -> dict[str, float]:
+        assert self.eval is not None
+        return {"eval_loss": eval_loss(model, self.eval, cfg.actor, layout, beat)}
+
 
 def load_examples(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Examples:
     """Tokenize every row of `path` (a file with the columns of `dataset`)."""
@@ -129,11 +164,7 @@ def load_examples(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Examples:
             ids, targets = _conversation(tokenizer, row[key], n, path)
         else:
             prompt = format_prompt(tokenizer, row, dataclasses.replace(data, max_prompt_len=10**9))
-            answer = row[cfg.dataset.answer_key]
-            if not isinstance(answer, (str, int, float)):
-                raise DatasetError(f"{path} row {n}: answer must be text, got {answer!r:.60}")
-            reply = [*tokenizer.encode(str(answer), add_special_tokens=False)]
-            reply.append(tokenizer.eos_token_id)
+            reply = reply_ids(tokenizer, row[cfg.dataset.answer_key], f"{path} row {n}")
             ids, targets = prompt + reply, [0] * len(prompt) + [1] * len(reply)
         if len(ids) > cfg.sft.max_len:
             skipped += 1

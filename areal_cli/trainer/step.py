@@ -189,7 +189,8 @@ def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
     device = next(model.parameters()).device
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     with attention.micro_batch(layout.cp_group, layout.cp_size, torch.arange(layout.cp_size)):
-        logits = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False).logits
+        out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+    logits = out if torch.is_tensor(out) else out.logits  # a scalar head returns its scores
     return logits.float().sum() * 0.0
 
 
@@ -396,8 +397,14 @@ def agree_on_micro_batches(
     sequences over more, smaller micro-batches; where that still gives fewer than K (fewer
     sequences than K), or where the greedy packing overshoots K, it pads its own plan
     with empty micro-batches."""
-    spec = cfg.mb_spec
     lengths = [[int(batch.seqlens[i]) for i in shard] for shard in shards]
+    return agree_on_plans(lengths, cfg)
+
+
+def agree_on_plans(lengths: list[list[int]], cfg: TrainEngineConfig) -> list[_Shard]:
+    """`agree_on_micro_batches` for items of the given lengths (one list per minibatch):
+    sequences, or units that must share a micro-batch, such as a preference pair."""
+    spec = cfg.mb_spec
     own = [plan_micro_batches(ls, spec.max_tokens_per_mb, spec.n_mbs) for ls in lengths]
     counts = torch.tensor([len(p.mbs) for p in own], dtype=torch.int64)
     if dist.is_initialized():

@@ -138,13 +138,15 @@ def find_model_dir(src: Source, override: Path | None) -> Path:
             raise ConvertError(f"--model-config {override} has no config.json")
         return override
     from areal_cli.config.loader import load_config
-    from areal_cli.rundir.layout import initial_model_path
+    from areal_cli.rundir.layout import SCALAR_MODEL_DIR, initial_model_path
 
     for parent in [src.entry, *src.entry.parents][:4]:
         config = parent / "config.yaml"
         if config.is_file():
             cfg = load_config(config).config
             model = Path(initial_model_path(cfg, parent))
+            if cfg.algorithm == "rm" and (parent / SCALAR_MODEL_DIR).is_dir():
+                model = parent / SCALAR_MODEL_DIR  # what the reward model trained
             if (model / "config.json").is_file():
                 return model
     raise ConvertError(
@@ -306,15 +308,19 @@ def convert(
 
 
 def verify(dst: Path, src: Source, model_config: Path | None) -> float:
-    """Max |logit difference| between the two sides on a fixed input (fp32)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Max |logit difference| between the two sides on a fixed input (fp32); for a scalar
+    head (a reward model), of the head's output at every position."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from areal_cli.config.model_info import is_scalar_config
 
     hf_side, dcp_side = (dst, src) if src.kind == "dcp" else (src.path, detect(dst))
     model_dir = hf_side
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    other = AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(model_dir), dtype=torch.float32
-    ).eval()
+    config = AutoConfig.from_pretrained(model_dir)
+    scalar = is_scalar_config(config.to_dict())
+    auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
+    reference = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    other = auto.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
     state = dict(iter_dcp_tensors(dcp_side.path, torch.float32))
     missing, unexpected = other.load_state_dict(state, strict=False)
     missing = [
@@ -328,5 +334,11 @@ def verify(dst: Path, src: Source, model_config: Path | None) -> float:
         other.tie_weights()
     vocab = reference.config.vocab_size
     ids = (torch.arange(32) * 7919 % vocab).unsqueeze(0)
+
+    def outputs(model: torch.nn.Module) -> torch.Tensor:
+        if scalar:  # every position's score, not only the pooled last one
+            return model.score(model.base_model(input_ids=ids).last_hidden_state)
+        return model(input_ids=ids).logits
+
     with torch.no_grad():
-        return float((reference(input_ids=ids).logits - other(input_ids=ids).logits).abs().max())
+        return float((outputs(reference) - outputs(other)).abs().max())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,8 @@ def test_dry_run_prints_plan_and_writes_nothing(recipe: str, tmp_path: Path) -> 
     servers = ("sglang.launch_server" in result.stdout) or (
         "areal_cli.inference.server" in result.stdout
     )
-    supervised = "algorithm sft: no inference server" in result.stdout
-    assert servers != supervised  # an RL recipe plans servers; an SFT recipe plans none
+    supervised = re.search(r"algorithm (sft|rm): no inference server", result.stdout) is not None
+    assert servers != supervised  # an RL recipe plans servers; an SFT or RM recipe plans none
     assert not (tmp_path / "runs").exists()
     assert snapshot(REPO) == before
 

@@ -143,7 +143,7 @@ def test_resolve_builtins() -> None:
     ("spec", "match"),
     [
         ("builtin:nope", "unknown builtin 'nope'.*exact_match, math, numeric"),
-        ("exact_match", "expected builtin:NAME or module:function"),
+        ("exact_match", "expected builtin:NAME, model:PATH or module:function"),
         ("my_reward:", "expected builtin:NAME"),
         ("my_reward:missing", "no function 'missing'.*graded"),
         ("no_such_module_xyz:fn", "no_such_module_xyz.py in .* not importable"),

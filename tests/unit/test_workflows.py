@@ -51,7 +51,13 @@ class _Result:
 
 
 class _Reward:
-    async def score(self, text: str, answer: str, fields: dict) -> _Result:
+    """Scores exact answers; keeps the token ids each call carried (what a model reward scores)."""
+
+    def __init__(self) -> None:
+        self.ids: list[list[int] | None] = []
+
+    async def score(self, text: str, answer: str, fields: dict, ids=None) -> _Result:
+        self.ids.append(ids)
         return _Result(1.0 if text.strip() == answer else 0.0)
 
 
@@ -83,8 +89,10 @@ def _client(server: _Server) -> EpisodeClient:
 
 def test_single_turn_marks_only_generated_tokens() -> None:
     server = _Server(["42"])
-    traj = asyncio.run(single_turn(_client(server), {"prompt_ids": [10, 11, 12], "answer": "42"}))
+    client = _client(server)
+    traj = asyncio.run(single_turn(client, {"prompt_ids": [10, 11, 12], "answer": "42"}))
     assert traj.input_ids == [10, 11, 12, ord("4"), ord("2"), 1]
+    assert client._reward.ids == [traj.input_ids]  # a model reward scores the whole sequence
     assert traj.loss_mask == [0, 0, 0, 1, 1, 1]
     assert traj.versions == [-1, -1, -1, 7, 7, 7] and traj.logprobs[3:] == [-0.5] * 3
     assert traj.reward == 1.0 and traj.oldest_version == 7

@@ -1,0 +1,160 @@
+"""`areal train recipes/tiny_rm.yaml` (algorithm: rm) end to end through the real CLI: a
+scalar head on the model's body, the same loss at every layout, resume after kill -9,
+conversion of the reward model both ways, and an RL run that uses it as its reward.
+
+Each run is a few steps on uneven batches (13 pairs over 2 ranks, micro-batches of about
+two pairs), so ranks hold different numbers of pairs and micro-batches. The base model is
+builtin:tiny (not tiny-arith) so that no SFT run is needed first.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_cli.rundir import handoff
+from tests.conftest import REPO, run_areal
+from tests.e2e.test_train import _assert_no_processes_left, _wait_for
+from tests.gloo.conftest import free_port
+from tests.gloo.test_trainer import _load_all, _max_diff
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _args(fileroot: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "areal_cli.cli",
+        "train",
+        "recipes/tiny_rm.yaml",
+        f"cluster.fileroot={fileroot}",
+        f"total_train_steps={steps}",
+        "model.path=builtin:tiny",
+        "logging.display=plain",
+        f"launcher.trainer_port={free_port()}",
+        "rm.batch_size=13",
+        "rm.eval_freq_steps=2",
+        "actor.mb_spec.max_tokens_per_mb=64",
+        *extra,
+    ]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _run(fileroot: Path, steps: int, *extra: str) -> Path:
+    done = subprocess.run(
+        _args(fileroot, steps, *extra), cwd=REPO, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return fileroot / "tiny-rm" / "trial0"
+
+
+def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path) -> None:
+    runs = {
+        layout: _run(tmp_path / layout, 4, f"allocation_mode=fsdp:{layout}", "cluster.n_cpus=4")
+        for layout in ("d1", "d2", "d1t2")
+    }
+    one = _rows(runs["d1"])
+    assert [r["step"] for r in one] == [0, 1, 2, 3]
+    assert [r["step"] for r in one if "eval_accuracy" in r] == [1, 3]
+    assert one[-1]["eval_loss"] < one[0]["eval_loss_initial"]  # it learns
+    assert all(r["pairs"] == 13 for r in one)
+    config = json.loads((runs["d1"] / "checkpoints" / "step-3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
+    assert config["num_labels"] == 1
+    final = {k: _load_all(r / "checkpoints" / "step-3") for k, r in runs.items()}
+    assert "score.weight" in final["d1"] and "lm_head.weight" not in final["d1"]
+    for layout in ("d2", "d1t2"):
+        other = _rows(runs[layout])
+        for a, b in zip(one, other, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), layout
+            assert a["accuracy"] == b["accuracy"], layout
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), layout
+        assert one[-1]["eval_loss"] == pytest.approx(other[-1]["eval_loss"], abs=1e-5)
+        # A few single elements (1-3 per tensor) differ by up to ~3e-5 at d2: Adam's
+        # m / sqrt(v) turns the summation-order rounding of near-zero gradients into
+        # steps of the learning rate's size; the losses above agree within 1e-5.
+        assert _max_diff(final["d1"], final[layout]) < (1e-4 if layout == "d2" else 1e-3), layout
+    for run_dir in runs.values():
+        _assert_no_processes_left(run_dir)
+
+    # the reward model as the reward of an RL run: two steps of the CPU demo
+    reward_model = runs["d1"] / "checkpoints" / "step-3"
+    rl = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_cli.cli",
+            "train",
+            "recipes/tiny_rm_grpo.yaml",
+            f"cluster.fileroot={tmp_path / 'rl'}",
+            "total_train_steps=2",
+            "model.path=builtin:tiny",
+            f"reward.fn=model:{reward_model}",
+            "logging.display=plain",
+            f"launcher.trainer_port={free_port()}",
+            f"launcher.inference_base_port={free_port()}",
+            "rollout.batch_size=4",
+            "rollout.group_size=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert rl.returncode == 0, rl.stdout[-3000:] + rl.stderr[-3000:]
+    rows = _rows(tmp_path / "rl" / "tiny-rm-grpo" / "trial0")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:  # real scores: not the 0/1 of a checker, and no failed call
+        assert r["reward_errors"] == 0 and r["reward_timeouts"] == 0
+        assert r["reward_mean"] not in (0.0, 1.0)
+
+
+def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> None:
+    args = _args(tmp_path, 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
+    run_dir = tmp_path / "tiny-rm" / "trial0"
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for(lambda: handoff.latest(run_dir / "recover", "step-") is not None, 300, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    _assert_no_processes_left(run_dir)
+    recovered = handoff.latest(run_dir / "recover", "step-")
+    again = subprocess.run(
+        args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [r["step"] for r in _rows(run_dir)] == list(range(6))
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resumed from {recovered.path} at step {recovered.version + 1}" in log
+    straight = _run(tmp_path / "straight", 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
+    assert _rows(run_dir)[-1]["loss"] == pytest.approx(_rows(straight)[-1]["loss"], abs=1e-5)
+    # DCP -> HF finds the scalar-head config (RUN/model-rm) by itself, and verifies
+    newest = handoff.latest(run_dir / "recover", "step-")
+    out = tmp_path / "hf"
+    done = run_areal("convert-checkpoint", str(newest.path), str(out), "--verify")
+    assert done.returncode == 0, done.stderr
+    assert "max |logit difference| = 0" in done.stdout
+    assert torch.equal(
+        _load_all(out)["score.weight"],
+        _load_all(run_dir / "checkpoints" / "step-5")["score.weight"],
+    )
+    back = run_areal(
+        "convert-checkpoint", str(out), str(tmp_path / "dcp"), "--to", "dcp", "--verify"
+    )
+    assert back.returncode == 0, back.stderr
+    _assert_no_processes_left(run_dir)
