@@ -336,6 +336,9 @@ def convert_checkpoint(
     model_config: Path = typer.Option(
         None, "--model-config", help="Folder with config.json and tokenizer (DCP -> HF)."
     ),
+    part: str = typer.Option(
+        "model", "--part", help="model, or critic: the PPO critic in a recover entry (DCP -> HF)."
+    ),
 ) -> None:
     """Convert sharded training checkpoints (DCP) to Hugging Face folders and back."""
     import time
@@ -347,6 +350,8 @@ def convert_checkpoint(
         _die(f"--to must be hf or dcp, got {to}")
     if dtype not in (None, "bf16", "fp32"):
         _die(f"--dtype must be bf16 or fp32, got {dtype}")
+    if part not in ("model", "critic"):
+        _die(f"--part must be model or critic, got {part}")
     start = time.perf_counter()
     try:
         source, out = convert(
@@ -357,6 +362,7 @@ def convert_checkpoint(
             max_shard_size=max_shard_size,
             force=force,
             model_config=model_config,
+            part=part,
         )
         typer.echo(f"converted {source.kind} {src} -> {dst} in {time.perf_counter() - start:.1f}s")
         if verify:

@@ -66,3 +66,27 @@ class RMConfig:
         "Held-out loss and pairwise accuracy every this many steps, and after the last one.",
         ge=1,
     )
+
+
+@dataclass
+class CriticConfig:
+    """The critic of PPO (algorithm: ppo): a value model trained beside the actor on the
+    same trainer ranks, whose values give per-token advantages by GAE
+    (areal_cli.trainer.critic). Its optimizer is the actor's (actor.optimizer) with its own
+    learning rate."""
+
+    path: str = field(
+        "",
+        "The critic's starting model: a scalar-head folder, or a causal LM whose body gets a new head; empty: the body of model.path.",
+        path=True,
+    )
+    lr: float = field(1.0e-3, "The critic's learning rate.", gt=0)
+    gamma: float = field(1.0, "GAE discount per token.", ge=0, le=1)
+    lam: float = field(0.95, "GAE lambda.", ge=0, le=1)
+    value_eps_clip: float = field(
+        0.2, "Clip the new value to within this of the value at rollout time; 0: no clipping.", ge=0
+    )
+    value_loss_coef: float = field(1.0, "Weight of the value loss in the critic's gradient.", gt=0)
+    whiten_advantages: bool = field(
+        True, "Normalise the batch's advantages to mean 0 and std 1 before the actor's loss."
+    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_cli.config.fields import field, sub
-from areal_cli.config.role_sections import RMConfig, SFTConfig
+from areal_cli.config.role_sections import CriticConfig, RMConfig, SFTConfig
 
 
 def torch_dtype(name: str) -> Any:
@@ -32,9 +32,9 @@ def torch_dtype(name: str) -> Any:
 # alias convert-checkpoint accepts) to torch.<name>.
 DTYPES = ("float32", "bfloat16", "float16")
 # what a recipe trains (`algorithm`); the supervised roles need no inference server
-ALGORITHMS = ("grpo", "sft", "rm")
+ALGORITHMS = ("grpo", "ppo", "sft", "rm")
 SUPERVISED = ("sft", "rm")  # each reads the section of its own name (sft:, rm:)
-ROLE_SECTIONS = {"sft": "sft", "rm": "rm"}  # section -> the algorithm reading it
+ROLE_SECTIONS = {"sft": "sft", "rm": "rm", "critic": "ppo"}  # section -> the algorithm reading it
 # the top-level sections and actor keys that only an RL algorithm reads
 RL_SECTIONS = ("rollout", "gconfig", "reward", "inference", "eval")
 RL_ACTOR_KEYS = (
@@ -546,7 +546,7 @@ class ExperimentConfig:
     )
     algorithm: str = field(
         "grpo",
-        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss), sft (supervised on dataset answers) or rm (a reward model on preference pairs); sft and rm start no inference server.",
+        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss with group advantages), ppo (the same with a critic and GAE), sft (supervised on dataset answers) or rm (a reward model on preference pairs); sft and rm start no inference server.",
         choices=ALGORITHMS,
     )
     seed: int = field(1, "Global seed of the trainer and the rollout loop.", ge=0)
@@ -558,6 +558,7 @@ class ExperimentConfig:
     trainer: TrainerConfig = sub(TrainerConfig)
     sft: SFTConfig = sub(SFTConfig)
     rm: RMConfig = sub(RMConfig)
+    critic: CriticConfig = sub(CriticConfig)
     rollout: RolloutConfig = sub(RolloutConfig)
     gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
     dataset: DatasetConfig = sub(DatasetConfig)

@@ -23,11 +23,14 @@ from areal_cli.config.model_info import (
     parallel_problem,
 )
 from areal_cli.config.recipe_code import spec_problem
+from areal_cli.config.role_rules import (
+    check_critic,
+    check_reward_model,
+    check_role_keys,
+    check_role_sections,
+)
 from areal_cli.config.schema import (
     BUILTIN_MODELS,
-    RL_ACTOR_KEYS,
-    RL_SECTIONS,
-    ROLE_SECTIONS,
     SUPERVISED,
     ExperimentConfig,
 )
@@ -94,9 +97,9 @@ def check_config(
     c = _Checker(loaded, invalid)
     _check_names(c)
     supervised = c.cfg.algorithm in SUPERVISED and command != "eval"
-    _check_role_sections(c)
+    check_role_sections(c)
     if supervised:
-        _check_role_keys(c)
+        check_role_keys(c)
     mode = _check_allocation(c, command, supervised) if c.valid("allocation_mode") else None
     c.result.allocation = mode
     if mode is not None:
@@ -116,9 +119,11 @@ def check_config(
         if c.valid(f"{role}.eval_path") and held_out:
             _check_dataset(c, f"{role}.eval_path", held_out, launch, required=False)
         if role == "rm":
-            _check_reward_model(c, mode)
+            check_reward_model(c, mode)
     else:
         _check_rl(c, command, launch)
+        if c.cfg.algorithm == "ppo":
+            check_critic(c, mode, launch)
     _check_planned(c)
     return c.result
 
@@ -204,60 +209,6 @@ def _check_allocation(c: _Checker, command: str, supervised: bool) -> Allocation
 def _train_part(allocation: str) -> str:
     parts = [p for p in allocation.split("+") if p.startswith("fsdp:")]
     return parts[0] if parts else "fsdp:d2"
-
-
-def _check_role_sections(c: _Checker) -> None:
-    """A role's own section (sft:, rm:) under another algorithm is an error."""
-    for section, role in ROLE_SECTIONS.items():
-        if c.cfg.algorithm != role and (section,) in c.loaded.locations:
-            c.error(
-                section,
-                f"is only read by algorithm: {role}",
-                f"remove it, or set algorithm: {role}",
-            )
-
-
-def _check_reward_model(c: _Checker, mode: AllocationMode | None) -> None:
-    """algorithm: rm puts a scalar head on a causal LM (or trains a scalar-head model on);
-    its score is read at each sequence's last token, which context parallelism would put
-    on another rank, so c > 1 is refused."""
-    if mode is not None and mode.train is not None and mode.train.context_parallel_size > 1:
-        c.error(
-            "allocation_mode",
-            "algorithm: rm does not support context parallelism (c > 1) yet",
-            f"drop c from '{c.cfg.allocation_mode}'; reward models see short sequences",
-        )
-    config = model_config(c.cfg.model.path) if c.valid("model.path") else None
-    if config is None or "architectures" not in config:
-        return  # a builtin (a causal LM), or a model that is not on this machine
-    architecture = (config.get("architectures") or [""])[0]
-    if not (
-        architecture.endswith("ForCausalLM") or architecture.endswith("ForSequenceClassification")
-    ):
-        c.error(
-            "model.path",
-            f"algorithm: rm needs a causal LM or a sequence-classification model, but {c.cfg.model.path} is a {architecture or 'model with no architectures entry'}",
-            "give an HF folder whose config.json names a *ForCausalLM architecture",
-        )
-
-
-def _check_role_keys(c: _Checker) -> None:
-    """Under a supervised role, a key that only RL reads is an error (it would be ignored)."""
-    seen: set[str] = set()
-    for path in c.loaded.locations:
-        if path[0] in RL_SECTIONS:
-            key = path[0]
-        elif path[0] == "actor" and len(path) > 1 and path[1] in RL_ACTOR_KEYS:
-            key = f"actor.{path[1]}"
-        else:
-            continue
-        if key not in seen:
-            seen.add(key)
-            c.error(
-                key,
-                f"is not used by algorithm: {c.cfg.algorithm} (it trains on the dataset's rows, with no rollouts or inference server)",
-                "remove it, or set algorithm: grpo",
-            )
 
 
 def _check_devices(c: _Checker, mode: AllocationMode) -> None:

@@ -24,6 +24,10 @@ def print_plan(
     for column in ("process", "role", "devices", "ports", "log"):
         table.add_column(column, overflow="fold")
     controller = "this process (areal train)"
+    if plan.algorithm == "ppo":
+        console.print(
+            "algorithm ppo: the critic (a value model) trains on the trainer's ranks, beside the actor"
+        )
     if plan.algorithm in SUPERVISED:
         console.print(
             f"algorithm {plan.algorithm}: no inference server; the trainer reads the dataset itself"

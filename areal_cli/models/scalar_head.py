@@ -11,7 +11,8 @@ the EOS) when the tokenizer's pad token is not its EOS.
 
 `make_scalar_folder` turns a causal LM folder into such a folder: the body's tensors are
 copied, `lm_head` is dropped and the head is drawn from N(0, initializer_range) with a
-seed, so every rank and every rerun starts from the same head.
+seed, so every rank and every rerun starts from the same head (a PPO critic's starts at
+zero instead: its first values say nothing, rather than noise as large as the rewards).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def scalar_config(config: dict) -> dict:
     return out
 
 
-def make_scalar_folder(src: Path, dst: Path, seed: int) -> Path:
+def make_scalar_folder(src: Path, dst: Path, seed: int, head_std: float | None = None) -> Path:
     """Write DST, a scalar-head folder with the body of the causal LM in SRC (atomic: a
-    temp folder renamed into place). DST is returned as it is when it already exists."""
+    temp folder renamed into place). DST is returned as it is when it already exists.
+    The head is drawn from N(0, head_std), by default the model's initializer_range; 0
+    gives a head that outputs 0 everywhere (a critic with no opinion yet)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -66,7 +69,7 @@ def make_scalar_folder(src: Path, dst: Path, seed: int) -> Path:
         raise FileNotFoundError(f"{src} holds no .safetensors weights")
     hidden = int(config["hidden_size"])
     generator = torch.Generator().manual_seed(seed)
-    std = float(config.get("initializer_range", 0.02))
+    std = float(config.get("initializer_range", 0.02)) if head_std is None else head_std
     dtype = next(iter(body.values())).dtype
     head = torch.randn((1, hidden), generator=generator) * std
     body[HEAD] = head.to(dtype)

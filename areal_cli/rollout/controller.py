@@ -351,6 +351,13 @@ METRIC_KEYS = (
     "empty_micro_batches",
     "tokens",
     "kl",
+    # algorithm: ppo (the critic; areal_cli.trainer.critic)
+    "value_loss",
+    "value_clip_frac",
+    "explained_variance",
+    "value_mean",
+    "return_mean",
+    "critic_grad_norm",
 )
 
 

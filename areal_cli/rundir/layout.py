@@ -43,6 +43,8 @@ def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
 # RUN/model-rm: the model a reward-model run trains, the body of model.path with a scalar
 # head (written by the trainer; areal_cli.models.scalar_head)
 SCALAR_MODEL_DIR = "model-rm"
+# RUN/model-critic: the PPO critic's starting model, likewise (areal_cli.trainer.critic)
+CRITIC_MODEL_DIR = "model-critic"
 
 
 def model_files_to_copy(model_dir: Path) -> list[Path]:

@@ -58,8 +58,11 @@ def save_recover(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     keep_last: int,
+    extra: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> Path:
-    """Write recover entry `step-N` collectively (every rank calls this)."""
+    """Write recover entry `step-N` collectively (every rank calls this). `extra` models
+    (the PPO critic) go into the same DCP checkpoint under their own names (`NAME.*`,
+    `NAME_optim.*`), so one entry restores every model of the run at the same step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -72,8 +75,11 @@ def save_recover(
         tmp.mkdir()
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    everything = {"model": model_sd, "optim": optim_sd}
+    for name, (other, other_optimizer) in (extra or {}).items():
+        everything[name], everything[f"{name}_optim"] = get_state_dict(other, other_optimizer)
     dcp.save(
-        {"model": model_sd, "optim": optim_sd},
+        everything,
         checkpoint_id=str(tmp / "dcp"),
         no_dist=_alone(),
     )
@@ -90,9 +96,13 @@ def save_recover(
 
 
 def load_recover(
-    entry: handoff.Entry, model: nn.Module, optimizer: torch.optim.Optimizer
+    entry: handoff.Entry,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, tuple[nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer and (same world size) RNG; returns state.json."""
+    """Restore model, optimizer, the `extra` models (see save_recover) and (same world
+    size) RNG; returns state.json."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
@@ -101,17 +111,24 @@ def load_recover(
         set_state_dict,
     )
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     stored = FileSystemReader(str(entry.path / "dcp")).read_metadata().state_dict_metadata
     has_optim = any(k.startswith("optim.") for k in stored)  # converted HF weights have none
-    target = {"model": model_sd, "optim": optim_sd} if has_optim else {"model": model_sd}
+    models = {"model": (model, optimizer), **(extra or {})}
+    for name in models:
+        if name != "model" and not any(k.startswith(f"{name}.") for k in stored):
+            raise ValueError(f"{entry.path} holds no {name} (it was saved by another algorithm)")
+    target = {}
+    for name, (m, o) in models.items():
+        target[name], optim_sd = get_state_dict(m, o)
+        if has_optim:
+            target[f"{name}_optim" if name != "model" else "optim"] = optim_sd
     dcp.load(target, checkpoint_id=str(entry.path / "dcp"), no_dist=_alone())
-    if has_optim:
-        set_state_dict(
-            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
-        )
-    else:
-        set_model_state_dict(model, target["model"])
+    for name, (m, o) in models.items():
+        if has_optim:
+            optim_key = f"{name}_optim" if name != "model" else "optim"
+            set_state_dict(m, o, model_state_dict=target[name], optim_state_dict=target[optim_key])
+        else:
+            set_model_state_dict(m, target[name])
     rng_file = entry.path / f"rng-rank{dist.get_rank()}.pt"
     if entry.meta.get("world_size") == dist.get_world_size() and rng_file.exists():
         _set_rng_state(torch.load(rng_file, weights_only=False))

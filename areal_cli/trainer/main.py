@@ -76,17 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: ExperimentConfig
+    model: torch.nn.Module, cfg: ExperimentConfig, lr: float | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (or SGD) with linear warm-up, then constant, linear or cosine decay."""
+    """AdamW (or SGD) with linear warm-up, then constant, linear or cosine decay
+    (actor.optimizer; `lr` replaces its learning rate, for the critic)."""
     o = cfg.actor.optimizer
+    lr = o.lr if lr is None else lr
     params = [p for p in model.parameters() if p.requires_grad]
     if o.type == "adamw":
         optimizer = torch.optim.AdamW(
-            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            params, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
     else:
-        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+        optimizer = torch.optim.SGD(params, lr=lr, weight_decay=o.weight_decay)
     total = max(1, cfg.total_train_steps * cfg.actor.ppo_n_minibatches)
     warmup = int(o.warmup_steps_proportion * total)
 
@@ -186,6 +188,12 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         ).eval()
         ref_model.requires_grad_(False)
     optimizer, scheduler = build_optimizer(model, cfg)
+    critic = None
+    if cfg.algorithm == "ppo":
+        from areal_cli.trainer.critic import build_critic
+
+        beat.phase("build critic")
+        critic = build_critic(cfg, model_dir, run_dir, mesh, build_optimizer)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     vocab_size = head.weight.shape[0] if head is not None else model.config.vocab_size
     layout = step_layout(mesh, vocab_size)
@@ -205,8 +213,10 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     start = 0
     if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
         beat.phase(f"load {entry.path.name}")
-        state = checkpoint.load_recover(entry, model, optimizer)
+        state = checkpoint.load_recover(entry, model, optimizer, _extra(critic))
         scheduler.load_state_dict(state["scheduler"])
+        if critic is not None:
+            critic.scheduler.load_state_dict(state["critic_scheduler"])
         start = state["step"] + 1
         beat.steps_done = start
         if role is None:  # republish the restored weights: servers continue from exactly them
@@ -249,6 +259,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
             args.batches,
             beat,
             layout,
+            critic=critic,
         )
     beat.phase("final barrier")
     dist.barrier()
@@ -263,6 +274,8 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
             keep_last=cfg.saver.keep_last,
             prefix="step-",
         )
+        if critic is not None:
+            _export_critic(run_dir, last - 1, critic, cfg)
     checkpoint.wait_for_cleanup()
     beat.phase("done")
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
@@ -287,8 +300,37 @@ def _memory_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {"peak_rss_mb": float(figures[0]), "state_mb": float(figures[1])}
 
 
+def _extra(critic) -> dict | None:
+    """The models a recover entry holds beside the actor."""
+    return {"critic": (critic.model, critic.optimizer)} if critic is not None else None
+
+
+def _export_critic(run_dir: Path, step: int, critic, cfg: ExperimentConfig) -> None:
+    """The critic as an HF folder RUN/checkpoints/critic/step-N (collective)."""
+    checkpoint.export_hf(
+        run_dir / "checkpoints" / "critic",
+        f"step-{step}",
+        step + 1,
+        critic.model,
+        critic.model_dir,
+        keep_last=cfg.saver.keep_last,
+        prefix="step-",
+    )
+
+
 def run_one_step(
-    step, cfg, run_dir, model, ref_model, optimizer, scheduler, model_dir, batches_dir, beat, layout
+    step,
+    cfg,
+    run_dir,
+    model,
+    ref_model,
+    optimizer,
+    scheduler,
+    model_dir,
+    batches_dir,
+    beat,
+    layout,
+    critic=None,
 ) -> dict:
     """Wait for the batch, train on it, publish weights, log, checkpoint."""
     source = batches_dir or run_dir / "rollouts"
@@ -307,6 +349,7 @@ def run_one_step(
         ref_model,
         beat=lambda phase: beat.phase(f"step {step}: {phase}"),
         layout=layout,
+        critic=critic,
     )
     train_s = time.perf_counter() - t0
     beat.phase(f"step {step}: publish v{step + 1}")
@@ -331,7 +374,7 @@ def run_one_step(
         "wait_s": waited,
         "publish_s": publish_s,
     }
-    finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat)
+    finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat, critic)
     print0(
         f"[trainer] step {step} loss {stats['loss']:+.4f} grad_norm {stats['grad_norm']:.3f} "
         f"clip {stats['clip_frac']:.3f} entropy {stats['entropy']:.3f} tokens {int(stats['tokens'])} "
@@ -379,15 +422,25 @@ def run_supervised_step(step, cfg, model, optimizer, scheduler, role, beat, layo
     return record
 
 
-def finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat) -> None:
+def finish_step(
+    step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat, critic=None
+) -> None:
     """After a step's update: recover and saver checkpoints when due, then the step's line
     in RUN/logs/trainer-metrics.jsonl (rank 0)."""
     if cfg.recover.freq_steps and (step + 1) % cfg.recover.freq_steps == 0:
         beat.phase(f"step {step}: save recover checkpoint")
         t2 = time.perf_counter()
         state = {"step": step, "scheduler": scheduler.state_dict()}
+        if critic is not None:
+            state["critic_scheduler"] = critic.scheduler.state_dict()
         checkpoint.save_recover(
-            run_dir / "recover", step, model, optimizer, state, cfg.recover.keep_last
+            run_dir / "recover",
+            step,
+            model,
+            optimizer,
+            state,
+            cfg.recover.keep_last,
+            _extra(critic),
         )
         record["recover_s"] = time.perf_counter() - t2
     if cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0:
@@ -401,6 +454,8 @@ def finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, reco
             keep_last=cfg.saver.keep_last,
             prefix="step-",
         )
+        if critic is not None:
+            _export_critic(run_dir, step, critic, cfg)
     if dist.get_rank() == 0:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:

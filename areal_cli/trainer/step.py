@@ -94,7 +94,7 @@ def split_range(n: int, parts: int, index: int) -> range:
     return range(start, start + base + (1 if index < extra else 0))
 
 
-def _label_space(tokens: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def label_space(tokens: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The per-token tensors of packed sequences, shifted so that position p carries what
     belongs to the token after it (its label, mask, behaviour logprob and version): the
     logits at p are scored on it. A sequence's last position has no label (IGNORE); its
@@ -148,13 +148,13 @@ def forward_logprobs(
     support: torch.Tensor | None = None,
     entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """Packed forward over `seqs`, in label space (`_label_space`); with context
+    """Packed forward over `seqs`, in label space (`label_space`); with context
     parallelism, over this rank's slice of the positions. Returns (logprobs of the labels,
     entropy (None with `entropy=False`: a pass over the logits, and collectives under
     tensor parallelism, saved where nobody logs it), the per-position tensors of the
     slice, plus `seq_counts`, and with `support` (token ids) `support_logp`: each
     position's mean logprob over them)."""
-    mb = _label_space([batch.sequence(i) for i in seqs])
+    mb = label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
     here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
     context = attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"])
@@ -268,8 +268,12 @@ class Stats:
         return out
 
 
-def _stat_keys(cfg: TrainEngineConfig) -> tuple[list[str], list[str]]:
+def _stat_keys(cfg: TrainEngineConfig, critic: Any = None) -> tuple[list[str], list[str]]:
     sums = ["loss", "loss_tokens", "tokens", "entropy_sum", "clip_frac_sum", "behav_logprob_sum"]
+    if critic is not None:
+        from areal_cli.trainer import critic as critic_role
+
+        sums += critic_role.STAT_KEYS
     sums += ["padding_fraction_sum", "replanned_shards", "empty_micro_batches"]
     maxes = ["activation_bytes"]
     if cfg.kl_ctl > 0:
@@ -290,20 +294,23 @@ def train_step(
     ref_model: nn.Module | None = None,
     beat: Beat = _no_beat,
     layout: StepLayout | None = None,
+    critic: Any = None,
 ) -> dict[str, float]:
     """Run one PPO step on `batch` (collective over every trainer rank).
 
     `ref_model` (frozen, same sharding) is required when `cfg.kl_ctl > 0`. `beat` is told
     each phase as it starts (the heartbeat that the controller's watchdog reads). `layout`
-    says how this rank takes part (default: data parallel over the whole world).
+    says how this rank takes part (default: data parallel over the whole world). With a
+    `critic` (areal_cli.trainer.critic), advantages are per token by GAE, and the critic
+    takes its own optimizer step after the actor's in every minibatch.
     """
     layout = layout or StepLayout.data_parallel()
     if cfg.kl_ctl > 0 and ref_model is None:
         raise ValueError("actor.kl_ctl > 0 needs a reference model")
     temperature = temperature if temperature > 0 else 1.0
-    adv_seq = seq_advantages(batch, cfg)
+    adv_seq = seq_advantages(batch, cfg) if critic is None else None
     n_minibatches = cfg.ppo_n_minibatches
-    stats = Stats(*_stat_keys(cfg))
+    stats = Stats(*_stat_keys(cfg, critic))
     minibatches = [list(split_range(batch.n_seqs, n_minibatches, m)) for m in range(n_minibatches)]
     shards = [
         [mb[i] for i in split_range(len(mb), layout.dp_size, layout.dp_rank)] for mb in minibatches
@@ -320,11 +327,18 @@ def train_step(
         if cfg.kl_ctl > 0
         else None
     )
-    grad_norms = []
+    targets = None
+    if critic is not None:
+        from areal_cli.trainer import critic as critic_role
+
+        targets = critic_role.targets(critic, batch, shards, plans, cfg, layout, beat, stats)
+    grad_norms, critic_norms = [], []
     for m, (minibatch, shard, plan) in enumerate(zip(minibatches, shards, plans, strict=True)):
         if not minibatch:  # fewer sequences than minibatches: the same on every rank
             if scheduler is not None:
                 scheduler.step()
+            if critic is not None:
+                critic.scheduler.step()
             continue
         normalizer = global_normalizer(batch, minibatch, cfg.loss_agg_mode)
         n_mbs = len(plan.micro_batches)
@@ -338,9 +352,12 @@ def train_step(
                 logp, entropy, t = forward_logprobs(model, batch, seqs, temperature, layout)
             stats.max("activation_bytes", saved.bytes)
             mask = t["loss_mask"].bool()
-            # one more value (0) for the filler sequence a context-parallel micro-batch may end with
-            values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
-            adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
+            if targets is not None:
+                adv = targets[m][j].advantages.to(logp.device)  # per token, from the critic
+            else:
+                # one more value (0) for the filler sequence a context-parallel micro-batch may end with
+                values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
+                adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
             if prox is not None:
                 loss_tok, lstats = losses.decoupled_ppo_loss(
                     logp,
@@ -374,13 +391,26 @@ def train_step(
         grad_norms.append(optimizer_step(model, optimizer, cfg.optimizer.gradient_clipping))
         if scheduler is not None:
             scheduler.step()
+        if critic is not None:
+            critic_norms.append(
+                critic_role.update(
+                    critic, batch, minibatch, shard, plan, targets[m], layout, beat, stats
+                )
+            )
     for plan in plans:
         stats.add("padding_fraction_sum", plan.padding_fraction)
         stats.add("replanned_shards", plan.replanned)
         stats.add("empty_micro_batches", sum(1 for mb in plan.micro_batches if not mb))
     beat("reduce stats")
     out = stats.reduce(layout.stats_group)
-    return _finish_stats(out, grad_norms, batch, layout.data_world, n_minibatches, optimizer)
+    result = {}
+    if critic is not None:
+        result = critic_role.finish_stats(out, critic_norms, n_minibatches)
+        result["critic_lr"] = critic.optimizer.param_groups[0]["lr"]
+    result.update(
+        _finish_stats(out, grad_norms, batch, layout.data_world, n_minibatches, optimizer)
+    )
+    return result
 
 
 def _of(m: int, n_minibatches: int) -> str:

@@ -2,7 +2,9 @@
 
 Formats are detected from the source:
   DCP  a folder with `.metadata` (or a recover entry RUN/recover/step-N/ holding `dcp/`);
-       model tensors are stored under `model.<hf name>`, written by any number of ranks.
+       model tensors are stored under `model.<hf name>`, written by any number of ranks;
+       a PPO run's recover entry also holds its critic under `critic.<hf name>`, which
+       `--part critic` converts (with the config of RUN/model-critic).
   HF   a folder with `config.json` and `*.safetensors`.
 
 DCP -> HF reads one tensor at a time (DCP reads only the byte ranges of that tensor) and
@@ -43,15 +45,20 @@ class Source:
     kind: str  # "dcp" or "hf"
     path: Path  # the DCP folder (with .metadata) or the HF folder
     entry: Path  # what the user named
+    part: str = "model"  # DCP: which model of the checkpoint (model, or critic)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.part}."
 
 
-def detect(src: Path) -> Source:
+def detect(src: Path, part: str = "model") -> Source:
     """Work out the format of `src`, or raise ConvertError saying what is missing."""
     if not src.exists():
         raise ConvertError(f"source not found: {src}")
     for candidate in (src, src / "dcp"):
         if (candidate / ".metadata").is_file():
-            return Source("dcp", candidate, src)
+            return Source("dcp", candidate, src, part)
     if (src / "config.json").is_file():
         if not list(src.glob("*.safetensors")):
             raise ConvertError(
@@ -76,7 +83,9 @@ def parse_size(text: str) -> int:
 # ---------------------------------------------------------------- DCP -> HF
 
 
-def _dcp_model_tensors(dcp_dir: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
+def _dcp_model_tensors(
+    dcp_dir: Path, prefix: str = MODEL_PREFIX
+) -> list[tuple[str, torch.Size, torch.dtype]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -85,10 +94,11 @@ def _dcp_model_tensors(dcp_dir: Path) -> list[tuple[str, torch.Size, torch.dtype
         raise ConvertError(f"cannot read DCP metadata in {dcp_dir}: {exc}") from exc
     out = []
     for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and hasattr(meta, "size"):
-            out.append((key[len(MODEL_PREFIX) :], meta.size, meta.properties.dtype))
+        if key.startswith(prefix) and hasattr(meta, "size"):
+            out.append((key[len(prefix) :], meta.size, meta.properties.dtype))
     if not out:
-        raise ConvertError(f"{dcp_dir} holds no model.* tensors (not an areal recover checkpoint)")
+        what = "not an areal recover checkpoint" if prefix == MODEL_PREFIX else "not a PPO run's"
+        raise ConvertError(f"{dcp_dir} holds no {prefix}* tensors ({what})")
     out.sort(key=lambda spec: spec[0])  # a stable order makes conversions byte-reproducible
     for item in metadata.storage_data.values():
         path = dcp_dir / item.relative_path
@@ -100,7 +110,10 @@ def _dcp_model_tensors(dcp_dir: Path) -> list[tuple[str, torch.Size, torch.dtype
 
 
 def iter_dcp_tensors(
-    dcp_dir: Path, dtype: torch.dtype | None = None, group_bytes: int = 64 << 20
+    dcp_dir: Path,
+    dtype: torch.dtype | None = None,
+    group_bytes: int = 64 << 20,
+    prefix: str = MODEL_PREFIX,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs read from a DCP checkpoint, in name order.
 
@@ -114,13 +127,13 @@ def iter_dcp_tensors(
     size = 0
 
     def load(specs: list) -> Iterator[tuple[str, torch.Tensor]]:
-        target = {MODEL_PREFIX + n: torch.empty(s, dtype=d) for n, s, d in specs}
+        target = {prefix + n: torch.empty(s, dtype=d) for n, s, d in specs}
         dcp.load(target, storage_reader=reader, no_dist=True)
         for name, _, _ in specs:
-            tensor = target.pop(MODEL_PREFIX + name)
+            tensor = target.pop(prefix + name)
             yield name, tensor.to(dtype) if dtype is not None else tensor
 
-    for spec in _dcp_model_tensors(dcp_dir):
+    for spec in _dcp_model_tensors(dcp_dir, prefix):
         n_bytes = spec[1].numel() * torch.empty((), dtype=spec[2]).element_size()
         if group and size + n_bytes > group_bytes:
             yield from load(group)
@@ -138,7 +151,7 @@ def find_model_dir(src: Source, override: Path | None) -> Path:
             raise ConvertError(f"--model-config {override} has no config.json")
         return override
     from areal_cli.config.loader import load_config
-    from areal_cli.rundir.layout import SCALAR_MODEL_DIR, initial_model_path
+    from areal_cli.rundir.layout import CRITIC_MODEL_DIR, SCALAR_MODEL_DIR, initial_model_path
 
     for parent in [src.entry, *src.entry.parents][:4]:
         config = parent / "config.yaml"
@@ -147,6 +160,9 @@ def find_model_dir(src: Source, override: Path | None) -> Path:
             model = Path(initial_model_path(cfg, parent))
             if cfg.algorithm == "rm" and (parent / SCALAR_MODEL_DIR).is_dir():
                 model = parent / SCALAR_MODEL_DIR  # what the reward model trained
+            if src.part == "critic":  # RUN/model-critic, unless critic.path had a head
+                made = parent / CRITIC_MODEL_DIR
+                model = made if made.is_dir() or not cfg.critic.path else Path(cfg.critic.path)
             if (model / "config.json").is_file():
                 return model
     raise ConvertError(
@@ -161,14 +177,14 @@ def dcp_to_hf(
     from areal_cli.rundir.layout import model_files_to_copy
     from areal_cli.rundir.safetensors_io import StreamingWriter
 
-    specs = _dcp_model_tensors(src.path)
+    specs = _dcp_model_tensors(src.path, src.prefix)
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("tie_word_embeddings"):
         specs = [s for s in specs if s[0] != "lm_head.weight"]
     shards = _plan_shards([(n, s, dtype or d) for n, s, d in specs], max_shard)
     names = _shard_names(len(shards))
     records, weight_map = [], {}
-    tensors = iter_dcp_tensors(src.path, dtype)
+    tensors = iter_dcp_tensors(src.path, dtype, prefix=src.prefix)
     for shard, file_name in zip(shards, names, strict=True):
         writer = StreamingWriter(tmp, file_name, [(n, d, tuple(s)) for n, s, d in shard])
         for name, _, _ in shard:
@@ -262,6 +278,7 @@ def convert(
     max_shard_size: str,
     force: bool,
     model_config: Path | None,
+    part: str = "model",
 ) -> tuple[Source, Path]:
     """Convert SRC into DST atomically; returns the detected source and DST."""
     import warnings
@@ -270,7 +287,9 @@ def convert(
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     hf_logging.disable_progress_bar()
-    src = detect(src_path)
+    src = detect(src_path, part)
+    if part != "model" and src.kind != "dcp":
+        raise ConvertError(f"--part {part} picks a model inside a DCP checkpoint; {src_path} is HF")
     target = to or ("hf" if src.kind == "dcp" else "dcp")
     if target == src.kind:
         raise ConvertError(
@@ -321,7 +340,7 @@ def verify(dst: Path, src: Source, model_config: Path | None) -> float:
     auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
     reference = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     other = auto.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
-    state = dict(iter_dcp_tensors(dcp_side.path, torch.float32))
+    state = dict(iter_dcp_tensors(dcp_side.path, torch.float32, prefix=dcp_side.prefix))
     missing, unexpected = other.load_state_dict(state, strict=False)
     missing = [
         m for m in missing if not (m == "lm_head.weight" and other.config.tie_word_embeddings)

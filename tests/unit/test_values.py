@@ -86,3 +86,43 @@ def test_explained_variance() -> None:
     assert explained_variance(ret, ret, mask) == pytest.approx(1.0)
     assert explained_variance(torch.full_like(ret, 2.5), ret, mask) == pytest.approx(0.0)
     assert explained_variance(-ret, ret, mask) < 0
+
+
+def test_packed_targets_read_values_where_the_tokens_are() -> None:
+    """critic.sequence_targets on a packed micro-batch in label space: each generated
+    token's V(s_t) is the critic's output one position before it, the bootstrap is the
+    output at the sequence's last position, and multi-turn gaps are skipped."""
+    from areal_cli.trainer.critic import sequence_targets
+    from areal_cli.trainer.step import label_space
+
+    gen = torch.Generator().manual_seed(3)
+    masks = [[0, 0, 1, 1, 1], [0, 1, 1, 0, 1, 1], [0, 0, 0, 1]]  # the middle one: two turns
+    seqs = [
+        {
+            "input_ids": torch.arange(len(m)),
+            "loss_mask": torch.tensor(m),
+            "logprobs": torch.zeros(len(m)),
+            "versions": torch.zeros(len(m), dtype=torch.long),
+        }
+        for m in masks
+    ]
+    t = label_space(seqs)
+    values = torch.randn(len(t["input_ids"]), generator=gen, dtype=torch.float64)
+    rewards = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    ended = torch.tensor([True, False, False])
+    adv, ret = sequence_targets(values, t, rewards, ended, 0.9, 0.8)
+    start = 0
+    for k, m in enumerate(masks):
+        generated = [i for i, on in enumerate(m) if on]  # token indices in the sequence
+        v = [float(values[start + i - 1]) for i in generated]  # V(s_t): one position before
+        r = [0.0] * len(v)
+        r[-1] = float(rewards[k])
+        want_adv, want_ret = _reference(
+            v, r, float(values[start + len(m) - 1]), bool(ended[k]), 0.9, 0.8
+        )
+        got = [start + i - 1 for i in generated]
+        assert adv[got].tolist() == pytest.approx(want_adv, abs=1e-12)
+        assert ret[got].tolist() == pytest.approx(want_ret, abs=1e-12)
+        start += len(m)
+    off = ~t["loss_mask"].bool()
+    assert not adv[off].any() and not ret[off].any()
