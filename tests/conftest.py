@@ -33,6 +33,14 @@ def run_areal(
     )
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """Write rows as a .jsonl file; returns its path as a string (a dataset.path)."""
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 SKIP_DIRS = {".venv", ".git", "__pycache__", ".cache", ".pytest_cache", ".ruff_cache", "runs"}
 
 

@@ -69,11 +69,16 @@ def arith_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
 def write_arith_data(out_dir: Path, seed: int = 0) -> list[Path]:
     """The train and test files of the task (recipes/data holds these for seed 0), each
     written to a temp file and renamed into place."""
-    rng = random.Random(seed)
+    return _write_files(out_dir, DATA_FILES, arith_rows, random.Random(seed))
+
+
+def _write_files(out_dir: Path, files, make_rows, rng: random.Random) -> list[Path]:
+    """Each (name, n) of `files` as OUT_DIR/name: n rows of make_rows(rng, n), written to a
+    temp file and renamed into place."""
     paths = []
-    for name, n in DATA_FILES:
+    for name, n in files:
         tmp = out_dir / f".{name}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in arith_rows(rng, n)))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in make_rows(rng, n)))
         tmp.replace(out_dir / name)
         paths.append(out_dir / name)
     return paths
@@ -100,14 +105,7 @@ def preference_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
 
 def write_preference_data(out_dir: Path, seed: int = 0) -> list[Path]:
     """The train and test preference files (recipes/data holds these for seed 0)."""
-    rng = random.Random(seed + 1)
-    paths = []
-    for name, n in PREFERENCE_FILES:
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(rng, n)))
-        tmp.replace(out_dir / name)
-        paths.append(out_dir / name)
-    return paths
+    return _write_files(out_dir, PREFERENCE_FILES, preference_rows, random.Random(seed + 1))
 
 
 def problems() -> list[tuple[int, int]]:

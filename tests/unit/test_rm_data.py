@@ -4,36 +4,18 @@ itself runs in tests/e2e/test_rm.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, chat_ids
-from areal_cli.models.tiny_model import build_tiny_model
 from areal_cli.trainer.rm import load_pairs
-from tests.conftest import run_areal
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        build_tiny_model(tmp_path_factory.mktemp("m") / "model", seed=0)
-    )
-
-
-def _write(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from tests.conftest import run_areal, write_jsonl
 
 
 def test_each_side_is_the_prompt_then_its_answer_and_eos(tokenizer, tmp_path) -> None:
     cfg = ExperimentConfig()
     row = {"prompt": "What is 3+4?", "chosen": "7", "rejected": 12}
-    pairs = load_pairs(cfg, tokenizer, _write(tmp_path / "p.jsonl", [row]))
+    pairs = load_pairs(cfg, tokenizer, write_jsonl(tmp_path / "p.jsonl", [row]))
     prompt = chat_ids(tokenizer, [{"role": "user", "content": "What is 3+4?"}])
     eos = [tokenizer.eos_token_id]
     assert pairs.chosen == [prompt + tokenizer.encode("7", add_special_tokens=False) + eos]
@@ -48,11 +30,11 @@ def test_pairs_too_long_are_skipped_and_columns_are_checked(tokenizer, tmp_path)
         {"prompt": "1+1", "chosen": "2", "rejected": "3"},
         {"prompt": "What is 3+4?", "chosen": "7", "rejected": "a much longer wrong answer"},
     ]
-    pairs = load_pairs(cfg, tokenizer, _write(tmp_path / "p.jsonl", rows))
+    pairs = load_pairs(cfg, tokenizer, write_jsonl(tmp_path / "p.jsonl", rows))
     assert len(pairs) + pairs.skipped == 2 and pairs.skipped >= 1
     cfg.rm.rejected_key = "worse"
     with pytest.raises(DatasetError, match="no column 'worse'"):
-        load_pairs(cfg, tokenizer, _write(tmp_path / "q.jsonl", rows))
+        load_pairs(cfg, tokenizer, write_jsonl(tmp_path / "q.jsonl", rows))
 
 
 @pytest.mark.parametrize(

@@ -3,36 +3,19 @@ label-smoothing term (the trainer's step itself is covered in tests/gloo)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, chat_ids
-from areal_cli.models.tiny_model import build_tiny_model
 from areal_cli.trainer import losses
 from areal_cli.trainer.sft import load_examples, step_indices
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        build_tiny_model(tmp_path_factory.mktemp("m") / "model", seed=0)
-    )
-
-
-def _write(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from tests.conftest import write_jsonl
 
 
 def test_targets_are_the_answer_and_eos(tokenizer, tmp_path) -> None:
     cfg = ExperimentConfig()
-    path = _write(tmp_path / "d.jsonl", [{"prompt": "What is 3+4?", "answer": "7"}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 3+4?", "answer": "7"}])
     ex = load_examples(cfg, tokenizer, path)
     prompt = chat_ids(tokenizer, [{"role": "user", "content": "What is 3+4?"}])
     answer = tokenizer.encode("7", add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -46,7 +29,7 @@ def test_rows_longer_than_max_len_are_counted_and_skipped(tokenizer, tmp_path) -
     cfg = ExperimentConfig()
     cfg.sft.max_len = 12
     rows = [{"prompt": "What is 3+4?", "answer": "7"}, {"prompt": "1+1", "answer": "2"}]
-    ex = load_examples(cfg, tokenizer, _write(tmp_path / "d.jsonl", rows))
+    ex = load_examples(cfg, tokenizer, write_jsonl(tmp_path / "d.jsonl", rows))
     assert ex.skipped + len(ex) == 2 and all(len(i) <= 12 for i in ex.input_ids)
 
 
@@ -59,7 +42,7 @@ def test_conversation_targets_are_the_assistant_turns(tokenizer, tmp_path) -> No
         {"role": "user", "content": "And 2+2?"},
         {"role": "assistant", "content": "4"},
     ]
-    ex = load_examples(cfg, tokenizer, _write(tmp_path / "c.jsonl", [{"messages": talk}]))
+    ex = load_examples(cfg, tokenizer, write_jsonl(tmp_path / "c.jsonl", [{"messages": talk}]))
     ids, targets = ex.input_ids[0], ex.targets[0]
     assert len(ids) == len(targets)
     first = chat_ids(tokenizer, talk[:1])
@@ -75,7 +58,7 @@ def test_conversation_targets_are_the_assistant_turns(tokenizer, tmp_path) -> No
 def test_a_conversation_without_reply_is_an_error(tokenizer, tmp_path) -> None:
     cfg = ExperimentConfig()
     cfg.sft.messages_key = "messages"
-    path = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(DatasetError, match="row 0: the conversation has no assistant turn"):
         load_examples(cfg, tokenizer, path)
 
