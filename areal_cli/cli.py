@@ -199,6 +199,17 @@ def serve(
         None, help="Model dtype; default: the backend's.", show_default=False
     ),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel GPUs (sglang only)."),
+    weight_root: list[Path] = typer.Option(
+        [],
+        "--weight-root",
+        help="A folder /update_weights_from_disk may load from (repeatable; embedded only). Without any, the server loads no weights over HTTP.",
+        show_default=False,
+    ),
+    insecure_no_api_key: bool = typer.Option(
+        False,
+        "--insecure-no-api-key",
+        help="Listen beyond loopback without --api-key (refused otherwise).",
+    ),
     model_cache: Path = typer.Option(
         None,
         help="Where builtin models are built; default: $AREAL_CACHE_DIR (or ~/.cache/areal)/models.",
@@ -216,13 +227,30 @@ def serve(
 
     if backend not in BACKENDS:
         _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    from areal_cli.inference.guards import bind_problem
+
+    refused = bind_problem(host, api_key, insecure_no_api_key)
+    if refused:
+        _die(refused)
+    if backend == "sglang" and (weight_root or insecure_no_api_key):
+        _die("--weight-root and --insecure-no-api-key are flags of the embedded server")
     if backend == "sglang" and importlib.util.find_spec("sglang") is None:
         _die(SGLANG_MISSING)
     from areal_cli.models.builtin import cache_dir
 
     path = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
     try:
-        argv = server_argv(backend, path, host=host, port=port, api_key=api_key, dtype=dtype, tp=tp)
+        argv = server_argv(
+            backend,
+            path,
+            host=host,
+            port=port,
+            api_key=api_key,
+            dtype=dtype,
+            tp=tp,
+            weight_roots=tuple(str(r.expanduser().resolve()) for r in weight_root),
+            insecure_no_api_key=insecure_no_api_key,
+        )
     except ValueError as exc:
         _die(str(exc))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"

@@ -28,10 +28,13 @@ def server_argv(
     dtype: str | None = None,
     tp: int = 1,
     python: str = sys.executable,
+    weight_roots: tuple[str, ...] = (),
+    insecure_no_api_key: bool = False,
 ) -> list[str]:
     """The command line of one server (`areal serve`), built by `sglang_args` /
     `embedded_args` from a default config with these settings; dtype None keeps the
-    backend's default."""
+    backend's default. `weight_roots` and `insecure_no_api_key` are the embedded
+    server's own flags (SGLang has neither)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     dtypes = DTYPES + ("auto",) if backend == "sglang" else DTYPES
@@ -57,6 +60,10 @@ def server_argv(
         cfg.inference.embedded.dtype = dtype
     # "auto" lets the server pick CUDA when present, without importing torch here.
     args = embedded_args(cfg, model, port, 0, "auto", host=host)
+    for root in weight_roots:
+        args += ["--weight-root", root]
+    if insecure_no_api_key:
+        args.append("--insecure-no-api-key")
     return [python, "-m", "areal_cli.inference.server", *args]
 
 

@@ -3,7 +3,8 @@
 Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1] [--port 30000]
        [--dtype float32|bfloat16] [--weight-version V] [--max-running-requests M]
        [--api-key K] [--served-model-name NAME] [--random-seed S] [--device auto|cpu|cuda]
-       [--schedule-policy lof|fcfs] [--watch-weights DIR]
+       [--schedule-policy lof|fcfs] [--watch-weights DIR] [--weight-root DIR ...]
+       [--insecure-no-api-key]
 
 Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /pause_generation, /continue_generation, /abort_request, /update_weight_version,
@@ -13,6 +14,9 @@ OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 With --api-key every route except /health and /health_generate needs
 `Authorization: Bearer KEY`. The port is bound only after the model has loaded, so a 200
 from /health means ready. SIGINT/SIGTERM stop it cleanly (in-flight requests are aborted).
+/update_weights_from_disk loads only from inside --weight-root folders (403 otherwise), and
+a host beyond loopback needs --api-key (areal_cli.inference.guards). A 500 carries a
+request id; its traceback is in this server's log only.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from aiohttp import web
 from areal_cli.config.schema import DTYPES
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
+from areal_cli.inference.guards import bind_problem, weight_path_problem
 
 logger = logging.getLogger("areal_cli.inference.server")
 
@@ -72,11 +77,16 @@ class InferenceServer:
     """Route handlers bound to one engine."""
 
     def __init__(
-        self, engine: InferenceEngine, served_model_name: str, api_key: str | None
+        self,
+        engine: InferenceEngine,
+        served_model_name: str,
+        api_key: str | None,
+        weight_roots: list[str] | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.api_key = api_key
+        self.weight_roots = list(weight_roots or [])
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -127,9 +137,12 @@ class InferenceServer:
             return _error(400, str(exc))
         except RuntimeError as exc:  # the engine is shutting down
             return _error(503, str(exc), "service_unavailable")
-        except Exception as exc:
-            logger.exception("error while serving %s", request.path)
-            return _error(500, f"{type(exc).__name__}: {exc}", "internal_error")
+        except Exception:
+            # the traceback stays in the server's log; the client gets an id to find it by
+            request_id = uuid.uuid4().hex[:12]
+            logger.exception("error while serving %s (request id %s)", request.path, request_id)
+            message = f"internal server error (request id {request_id}; see the server log)"
+            return _error(500, message, "internal_error")
 
     # ------------------------------------------------------------------ native routes
 
@@ -147,6 +160,16 @@ class InferenceServer:
         body = await _body(request)
         if not body.get("model_path"):
             raise BadRequest("model_path is required")
+        refused = weight_path_problem(str(body["model_path"]), self.weight_roots)
+        if refused:
+            logger.warning("refused /update_weights_from_disk: %s", refused)
+            content = {
+                "success": False,
+                "message": refused,
+                "num_paused_requests": 0,
+                "weight_version": self.engine.weight_version,  # unchanged
+            }
+            return web.json_response(content, status=403)
         # flush_cache is accepted and ignored: this engine keeps no prefix cache.
         update = self.engine.submit_weight_update(
             body["model_path"],
@@ -444,6 +467,19 @@ def build_parser() -> argparse.ArgumentParser:
         "while generating, so /update_weights_from_disk for it only swaps (CPU only; not "
         "an SGLang flag).",
     )
+    parser.add_argument(
+        "--weight-root",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="A folder /update_weights_from_disk may load from (repeatable; --watch-weights "
+        "DIR counts as one). Without any, the server loads no weights over HTTP.",
+    )
+    parser.add_argument(
+        "--insecure-no-api-key",
+        action="store_true",
+        help="Listen beyond loopback without an API key (refused otherwise).",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -463,7 +499,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.watch_weights:
         engine.watch_for_weights(args.watch_weights)
     name = args.served_model_name or args.model_path
-    server = InferenceServer(engine, name, args.api_key)
+    roots = args.weight_root + ([args.watch_weights] if args.watch_weights else [])
+    server = InferenceServer(engine, name, args.api_key, roots)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     stop = asyncio.Event()
@@ -482,6 +519,10 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    refused = bind_problem(args.host, args.api_key, args.insecure_no_api_key)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

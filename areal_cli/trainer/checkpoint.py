@@ -131,8 +131,14 @@ def load_recover(
             set_model_state_dict(m, target[name])
     rng_file = entry.path / f"rng-rank{dist.get_rank()}.pt"
     if entry.meta.get("world_size") == dist.get_world_size() and rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(load_rng_file(rng_file))
     return json.loads((entry.path / "state.json").read_text())
+
+
+def load_rng_file(path: Path) -> dict[str, torch.Tensor]:
+    """A rank's saved RNG state: tensors only (`weights_only=True`), so a recover entry
+    cannot run code when it is loaded."""
+    return torch.load(path, weights_only=True)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -295,8 +295,10 @@ def convert(
         raise ConvertError(
             f"{src_path} is already {src.kind.upper()}; use --to {'hf' if target == 'dcp' else 'dcp'}"
         )
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
-        raise ConvertError(f"{dst} exists and is not empty; pass --force to replace it")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not force:
+            raise ConvertError(f"{dst} exists and is not empty; pass --force to replace it")
+        _check_replaceable(dst, src_path)
     to_dtype = torch_dtype(dtype) if dtype else None
     max_shard = parse_size(max_shard_size)
     model_dir = find_model_dir(src, model_config) if target == "hf" else None
@@ -324,6 +326,20 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return src, dst
+
+
+def _check_replaceable(dst: Path, src: Path) -> None:
+    """--force replaces only an earlier output of areal (a folder with its manifest.json),
+    and never /, the home folder, SRC itself or a folder that holds SRC."""
+    real, source = dst.resolve(), src.resolve()
+    protected = {Path("/"), Path.home().resolve()}
+    if real in protected or real == source or source.is_relative_to(real):
+        raise ConvertError(f"--force will not delete {dst}: it is /, $HOME, SRC or holds SRC")
+    if not real.is_dir() or not (real / handoff.MANIFEST).is_file():
+        raise ConvertError(
+            f"--force replaces only an earlier areal output (a folder with {handoff.MANIFEST}); "
+            f"{dst} is not one, so remove it yourself or choose another DST"
+        )
 
 
 def verify(dst: Path, src: Source, model_config: Path | None) -> float:

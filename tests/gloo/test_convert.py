@@ -133,6 +133,22 @@ def test_bad_sources_and_destinations(recover_entry: tuple[Path, Path], tmp_path
         and "--force" in refused.stderr
         and (busy / "keep.txt").read_text() == "mine"
     )
+    # --force replaces only an earlier areal output, never a folder of the user's, SRC's
+    # parent, $HOME or /
+    for dst, why in ((busy, "only an earlier areal output"), (entry.parent, "holds SRC"),
+                     (Path.home(), "$HOME"), (Path("/"), "$HOME")):  # fmt: skip
+        forced = run_areal(
+            "convert-checkpoint", str(entry), str(dst), "--model-config", str(model), "--force"
+        )
+        assert forced.returncode == 2 and why in forced.stderr, forced.stderr
+    assert (busy / "keep.txt").read_text() == "mine" and entry.is_dir()
+    earlier = tmp_path / "earlier"
+    first = run_areal("convert-checkpoint", str(entry), str(earlier), "--model-config", str(model))
+    assert first.returncode == 0, first.stderr
+    again = run_areal(
+        "convert-checkpoint", str(entry), str(earlier), "--model-config", str(model), "--force"
+    )
+    assert again.returncode == 0, again.stderr  # its own earlier output: replaced
     broken = tmp_path / "broken"
     subprocess.run(["cp", "-r", str(entry), str(broken)], check=True)
     shard = next((broken / "dcp").glob("*.distcp"))

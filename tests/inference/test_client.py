@@ -45,12 +45,15 @@ def run(coro: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
+def servers(
+    tiny_model_dir: Path, tiny_model_dir_alt: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list]:
     logs = tmp_path_factory.mktemp("logs")
+    roots = (str(tiny_model_dir_alt.parent), str(tmp_path_factory.getbasetemp()))
 
     def start(name: str) -> ServerProcess:
         port = free_port()
-        argv = server_argv("embedded", str(tiny_model_dir), port=port)
+        argv = server_argv("embedded", str(tiny_model_dir), port=port, weight_roots=roots)
         return start_server(argv, logs / f"{name}.log", f"http://127.0.0.1:{port}", timeout_s=120)
 
     with ThreadPoolExecutor(2) as pool:

@@ -75,11 +75,12 @@ def wait_healthy(server: Server, timeout: float = 120) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
+def server(tiny_model_dir: Path, tiny_model_dir_alt: Path) -> Iterator[Server]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "areal_cli.inference.server",
         "--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--weight-root", str(tiny_model_dir_alt.parent),
         "--dtype", "float32", "--weight-version", "v0", "--max-running-requests", "8",
         "--api-key", API_KEY, "--served-model-name", MODEL_NAME, "--random-seed", "0",
         "--device", "cpu",
@@ -214,10 +215,20 @@ def test_weight_update_route(
     server: Server, tiny_model_dir_alt: Path, tmp_path: Path, hf_greedy
 ) -> None:
     ids = [12, 13, 14]
-    status, body = server.call(
-        "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")}
-    )
+    inside = tiny_model_dir_alt.parent
+    status, body = server.call("/update_weights_from_disk", {"model_path": str(inside / "no")})
     assert status == 400 and body["success"] is False and "does not exist" in body["message"]
+    # only from inside --weight-root: not elsewhere, not through '..', not through a symlink
+    (inside / "link-out").unlink(missing_ok=True)
+    (inside / "link-out").symlink_to(tmp_path)
+    for path in (
+        tmp_path,
+        inside / ".." / inside.name / tiny_model_dir_alt.name,
+        inside / "link-out",
+    ):
+        status, body = server.call("/update_weights_from_disk", {"model_path": str(path)})
+        assert status == 403 and body["success"] is False, (path, body)
+        assert "outside the allowed weight roots" in body["message"] or "'..'" in body["message"]
     assert body["weight_version"] == server.call("/model_info")[1]["weight_version"] != "v1"
     update = {"model_path": str(tiny_model_dir_alt), "weight_version": "v1", "flush_cache": True}
     status, body = server.call("/update_weights_from_disk", update)
