@@ -223,7 +223,7 @@ def serve(
     startup_timeout: float = typer.Option(600.0, help="Seconds allowed for the server to start."),
 ) -> None:
     """Run one inference server in the foreground; Ctrl-C stops it."""
-    from areal_cli.inference.argv import BACKENDS, SGLANG_MISSING, server_argv
+    from areal_cli.inference.argv import BACKENDS, SGLANG_MISSING, server_argv, server_env
 
     if backend not in BACKENDS:
         _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -257,7 +257,7 @@ def serve(
     if not _port_free(host, port):
         _die(f"port {port} on {host} is already in use")
     log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
-    _run_in_foreground(argv, url, log, api_key, startup_timeout)
+    _run_in_foreground(argv, url, log, api_key, startup_timeout, server_env(backend, api_key))
 
 
 def _die(message: str) -> NoReturn:
@@ -299,7 +299,7 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _run_in_foreground(
-    argv: list[str], url: str, log: Path, api_key: str, timeout_s: float
+    argv: list[str], url: str, log: Path, api_key: str, timeout_s: float, env: dict[str, str]
 ) -> None:
     """Start the server, wait for Ctrl-C (SIGINT) or SIGTERM, stop it, exit 0."""
     import signal
@@ -316,7 +316,7 @@ def _run_in_foreground(
     shown = " ".join(REDACTED if api_key and a == api_key else a for a in argv)
     typer.echo(f"starting: {shown}\nlog: {log}", err=True)
     try:
-        server = start_server(argv, log, url, api_key=api_key, timeout_s=timeout_s)
+        server = start_server(argv, log, url, api_key=api_key, env=env, timeout_s=timeout_s)
     except ServerStartError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

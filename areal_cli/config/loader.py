@@ -584,6 +584,14 @@ def is_hub_id(value: str) -> bool:
     return Path(value).suffix.lower() not in _FILE_SUFFIXES
 
 
+REDACTED = "<redacted>"
+
+
 def to_yaml(config: ExperimentConfig) -> str:
-    """The resolved config as YAML, in schema order (what `config.yaml` holds)."""
-    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML, in schema order (what `config.yaml` holds and
+    `areal validate` prints), with the API key redacted: nothing reads it back from there
+    (the trainer needs none, and --resume takes it from the recipe again)."""
+    data = dataclasses.asdict(config)
+    if data["inference"]["api_key"]:
+        data["inference"]["api_key"] = REDACTED
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

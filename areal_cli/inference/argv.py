@@ -15,6 +15,17 @@ from areal_cli.config.allocation import AllocationMode, parse_allocation
 from areal_cli.config.schema import DTYPES, ExperimentConfig
 
 BACKENDS = ("embedded", "sglang")
+# The embedded server reads its API key from this variable, never from argv: a command
+# line is world-readable in /proc, a process's environment only to its user. SGLang takes
+# its key as --api-key only, so there it stays in argv (redacted in plans and logs).
+API_KEY_ENV = "AREAL_API_KEY"
+
+
+def server_env(backend: str, api_key: str) -> dict[str, str]:
+    """The environment that carries a server's API key (the embedded backend's)."""
+    return {API_KEY_ENV: api_key} if api_key and backend == "embedded" else {}
+
+
 SGLANG_MISSING = "sglang is not installed; install with pip install -e '.[sglang]' on a GPU machine"
 
 
@@ -151,6 +162,4 @@ def embedded_args(
         "--device",
         device,
     ]
-    if cfg.inference.api_key:
-        args += ["--api-key", cfg.inference.api_key]
-    return args
+    return args  # the key travels in the environment (server_env)

@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -448,7 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--max-running-requests", type=int, default=32)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AREAL_API_KEY") or None,
+        help="Bearer token every route but /health needs; default: $AREAL_API_KEY (keep it "
+        "there: a command line is visible to every user of the machine).",
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument(

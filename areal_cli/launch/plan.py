@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.config.allocation import AllocationMode
+from areal_cli.config.loader import REDACTED
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.inference.argv import embedded_args, sglang_args
+from areal_cli.inference.argv import embedded_args, server_env, sglang_args
 from areal_cli.rundir.layout import RUN_SUBDIRS, initial_model_path, run_dir_of
-
-REDACTED = "<redacted>"
 
 
 @dataclass
@@ -192,6 +191,7 @@ def _server_process(
         cpus = devices
         env.update(_thread_env(len(devices)))
         env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(server_env(mode.inference_backend, cfg.inference.api_key))
     return ProcessSpec(
         name=f"server-{index}",
         role=f"inference ({mode.inference_backend})",

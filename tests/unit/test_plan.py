@@ -112,7 +112,12 @@ def test_sglang_flags_are_accepted_by_sglang_parser() -> None:
 
 def test_api_key_is_redacted_in_json() -> None:
     cfg, _, plan = _plan("tiny_cpu.yaml", "inference.api_key=sekret")
-    assert "sekret" in plan.processes[0].argv
+    server = plan.processes[0]
+    assert "sekret" not in server.argv and "--api-key" not in server.argv  # not in ps
+    assert server.env["AREAL_API_KEY"] == "sekret"  # the embedded server reads it there
+    assert "sekret" not in plan.to_json(secret="sekret")
+    cfg, _, plan = _plan("gsm8k_grpo.yaml", "inference.api_key=sekret")
+    assert "sekret" in plan.processes[0].argv  # SGLang takes it only as --api-key
     assert "sekret" not in plan.to_json(secret="sekret")
 
 
