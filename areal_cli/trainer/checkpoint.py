@@ -74,10 +74,9 @@ def save_recover(
         handoff.remove_stale(parent)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    everything = {"model": model_sd, "optim": optim_sd}
-    for name, (other, other_optimizer) in (extra or {}).items():
-        everything[name], everything[f"{name}_optim"] = get_state_dict(other, other_optimizer)
+    everything = {}
+    for name, (m, o) in {"model": (model, optimizer), **(extra or {})}.items():
+        everything[name], everything[_optim_key(name)] = get_state_dict(m, o)
     dcp.save(
         everything,
         checkpoint_id=str(tmp / "dcp"),
@@ -121,18 +120,25 @@ def load_recover(
     for name, (m, o) in models.items():
         target[name], optim_sd = get_state_dict(m, o)
         if has_optim:
-            target[f"{name}_optim" if name != "model" else "optim"] = optim_sd
+            target[_optim_key(name)] = optim_sd
     dcp.load(target, checkpoint_id=str(entry.path / "dcp"), no_dist=_alone())
     for name, (m, o) in models.items():
         if has_optim:
-            optim_key = f"{name}_optim" if name != "model" else "optim"
-            set_state_dict(m, o, model_state_dict=target[name], optim_state_dict=target[optim_key])
+            set_state_dict(
+                m, o, model_state_dict=target[name], optim_state_dict=target[_optim_key(name)]
+            )
         else:
             set_model_state_dict(m, target[name])
     rng_file = entry.path / f"rng-rank{dist.get_rank()}.pt"
     if entry.meta.get("world_size") == dist.get_world_size() and rng_file.exists():
         _set_rng_state(load_rng_file(rng_file))
     return json.loads((entry.path / "state.json").read_text())
+
+
+def _optim_key(name: str) -> str:
+    """Where a model's optimizer state sits in the DCP checkpoint: `optim` for the actor
+    (the key older entries have), `NAME_optim` for an extra model."""
+    return "optim" if name == "model" else f"{name}_optim"
 
 
 def load_rng_file(path: Path) -> dict[str, torch.Tensor]:

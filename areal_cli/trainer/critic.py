@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_cli.config.schema import ExperimentConfig, TrainEngineConfig
+from areal_cli.config.schema import CriticConfig, ExperimentConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import attention
 from areal_cli.trainer.values import gae, value_loss
@@ -73,12 +73,8 @@ class Critic:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    gamma: float
-    lam: float
-    value_eps_clip: float
-    value_loss_coef: float
-    whiten: bool
-    clip_grad: float
+    cfg: CriticConfig
+    clip_grad: float  # actor.optimizer.gradient_clipping
     eos_id: int | None
     model_dir: Path  # its config and tokenizer, which its HF exports carry
 
@@ -94,30 +90,18 @@ class Targets:
     returns: torch.Tensor
 
 
-def critic_model_dir(cfg: ExperimentConfig, model_dir: Path, run_dir: Path) -> Path:
-    """critic.path when it has a scalar head; else RUN/model-critic, the body of
-    critic.path (or model.path) with a new head, written by rank 0 (the others wait)."""
-    from areal_cli.models.scalar_head import is_scalar_config, make_scalar_folder
-    from areal_cli.rundir.layout import CRITIC_MODEL_DIR
-
-    source = Path(cfg.critic.path) if cfg.critic.path else model_dir
-    if is_scalar_config(json.loads((source / "config.json").read_text())):
-        return source
-    out = run_dir / CRITIC_MODEL_DIR
-    if dist.get_rank() == 0:
-        make_scalar_folder(source, out, cfg.seed, head_std=0.0)
-    dist.barrier()
-    return out
-
-
 def build_critic(
     cfg: ExperimentConfig, model_dir: Path, run_dir: Path, mesh: Any, build_optimizer: Any
 ) -> Critic:
     """The sharded critic on the actor's mesh, with its optimizer from
     `build_optimizer(model, cfg, lr=...)` (the trainer's; collective)."""
-    from areal_cli.trainer.parallelize import build_sharded_model
+    from areal_cli.rundir.layout import CRITIC_MODEL_DIR
+    from areal_cli.trainer.parallelize import build_sharded_model, scalar_model
 
-    folder = critic_model_dir(cfg, model_dir, run_dir)
+    # critic.path when it has a scalar head; else RUN/model-critic: the body of critic.path
+    # (or model.path) with a head at zero
+    source = Path(cfg.critic.path) if cfg.critic.path else model_dir
+    folder = scalar_model(source, run_dir / CRITIC_MODEL_DIR, cfg.seed, head_std=0.0)
     model = build_sharded_model(
         folder,
         mesh,
@@ -127,16 +111,11 @@ def build_critic(
     )
     optimizer, scheduler = build_optimizer(model, cfg, lr=cfg.critic.lr)
     eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
-    c = cfg.critic
     return Critic(
         model,
         optimizer,
         scheduler,
-        c.gamma,
-        c.lam,
-        c.value_eps_clip,
-        c.value_loss_coef,
-        c.whiten_advantages,
+        cfg.critic,
         cfg.actor.optimizer.gradient_clipping,
         eos[0] if isinstance(eos, list) else eos,
         folder,
@@ -228,14 +207,14 @@ def targets(
                 [int(batch.sequence(i)["input_ids"][-1]) == critic.eos_id for i in seqs]
             )
             adv, ret = sequence_targets(
-                values, t, rewards[seqs].to(values.device), ended, critic.gamma, critic.lam
+                values, t, rewards[seqs].to(values.device), ended, critic.cfg.gamma, critic.cfg.lam
             )
             mask = t["loss_mask"].bool()
             values = values * mask
             _explained_variance_sums(stats, values, ret, mask)
             row.append(Targets(mask, values, adv, ret))
         out.append(row)
-    if critic.whiten:
+    if critic.cfg.whiten_advantages:
         _whiten(out, layout)
     return out
 
@@ -296,10 +275,10 @@ def update(
             (empty_forward(critic.model, layout) * layout.data_world).backward()
             continue
         values, _ = forward_values(critic.model, batch, [shard[i] for i in mb], layout)
-        eps = critic.value_eps_clip or None
+        eps = critic.cfg.value_eps_clip or None
         per_token, vstats = value_loss(values, tg.values, tg.returns, tg.mask, eps)
         loss = per_token.sum() / normalizer
-        (loss * critic.value_loss_coef * layout.data_world).backward()
+        (loss * critic.cfg.value_loss_coef * layout.data_world).backward()
         n_tok = float(tg.mask.sum())
         stats.add("value_loss", loss.detach())
         stats.add("value_clip_sum", vstats["value_clip_frac"] * n_tok)

@@ -43,7 +43,7 @@ from areal_cli.rundir import handoff
 from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.trainer import checkpoint
-from areal_cli.trainer.parallelize import build_sharded_model
+from areal_cli.trainer.parallelize import build_sharded_model, scalar_model
 from areal_cli.trainer.step import train_step
 
 POLL_S = 0.05
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: Heartbeat) -> None:
     """Setup, the loop over steps, cleanup (see the module docstring)."""
-    from areal_cli.rundir.layout import initial_model_path
+    from areal_cli.rundir.layout import SCALAR_MODEL_DIR, initial_model_path
     from areal_cli.trainer.mesh import build_mesh, step_layout
 
     beat.phase("init process group")
@@ -176,8 +176,9 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     mesh = build_mesh(device_type, cfg.allocation_mode)
     torch.manual_seed(cfg.seed)
     model_dir = Path(initial_model_path(cfg, run_dir))
-    if cfg.algorithm == "rm":
-        model_dir = scalar_model_dir(cfg, model_dir, run_dir, beat)
+    if cfg.algorithm == "rm":  # a scalar head on model.path's body, unless it has one
+        beat.phase("add a scalar head")
+        model_dir = scalar_model(model_dir, run_dir / SCALAR_MODEL_DIR, cfg.seed)
     build = {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
     beat.phase("build model")
     model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp, **build)
@@ -382,24 +383,6 @@ def run_one_step(
     )
     beat.step_s = time.perf_counter() - step_start
     return record
-
-
-def scalar_model_dir(
-    cfg: ExperimentConfig, model_dir: Path, run_dir: Path, beat: Heartbeat
-) -> Path:
-    """The scalar-head model a reward model trains: model.path itself when it has one,
-    else RUN/model-rm, written by rank 0 from model.path's body (the other ranks wait)."""
-    from areal_cli.models.scalar_head import is_scalar_config, make_scalar_folder
-    from areal_cli.rundir.layout import SCALAR_MODEL_DIR
-
-    if is_scalar_config(json.loads((model_dir / "config.json").read_text())):
-        return model_dir
-    out = run_dir / SCALAR_MODEL_DIR
-    beat.phase("add a scalar head")
-    if dist.get_rank() == 0:
-        make_scalar_folder(model_dir, out, cfg.seed)
-    dist.barrier()
-    return out
 
 
 def _eval_line(metrics: dict[str, float]) -> str:

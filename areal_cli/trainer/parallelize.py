@@ -21,6 +21,7 @@ HF's attention reshapes with -1 heads, so each rank runs its local heads unchang
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,6 +160,22 @@ class ScalarHeadModel(nn.Module):
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.model.gradient_checkpointing_enable(**kwargs)
+
+
+def scalar_model(source: Path, out: Path, seed: int, head_std: float | None = None) -> Path:
+    """The scalar-head folder to build a reward model or critic from (collective):
+    `source` itself when it already has a head, else OUT, the body of `source` with a new
+    head (areal_cli.models.scalar_head), written by rank 0 while the others wait."""
+    import torch.distributed as dist
+
+    from areal_cli.models.scalar_head import is_scalar_config, make_scalar_folder
+
+    if is_scalar_config(json.loads((source / "config.json").read_text())):
+        return source
+    if dist.get_rank() == 0:
+        make_scalar_folder(source, out, seed, head_std=head_std)
+    dist.barrier()
+    return out
 
 
 def _load_full_state(model_dir: Path) -> dict[str, torch.Tensor]:
