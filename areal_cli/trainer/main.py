@@ -408,8 +408,16 @@ def run_supervised_step(step, cfg, model, optimizer, scheduler, role, beat, layo
 def finish_step(
     step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat, critic=None
 ) -> None:
-    """After a step's update: recover and saver checkpoints when due, then the step's line
-    in RUN/logs/trainer-metrics.jsonl (rank 0)."""
+    """After a step's update: the step's line in RUN/logs/trainer-metrics.jsonl (rank 0),
+    then the recover and saver checkpoints when due.
+
+    The line comes first: a recover entry for step N promises that steps up to N are on
+    record, so a kill between the two must lose the entry (the resume redoes the step and
+    trims its line), never the line."""
+    if dist.get_rank() == 0:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
     if cfg.recover.freq_steps and (step + 1) % cfg.recover.freq_steps == 0:
         beat.phase(f"step {step}: save recover checkpoint")
         t2 = time.perf_counter()
@@ -425,7 +433,7 @@ def finish_step(
             cfg.recover.keep_last,
             _extra(critic),
         )
-        record["recover_s"] = time.perf_counter() - t2
+        print0(f"step {step}: recover checkpoint in {time.perf_counter() - t2:.2f}s")
     if cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0:
         beat.phase(f"step {step}: save checkpoint")
         checkpoint.export_hf(
@@ -439,10 +447,6 @@ def finish_step(
         )
         if critic is not None:
             _export_critic(run_dir, step, critic, cfg)
-    if dist.get_rank() == 0:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
     beat.steps_done = step + 1
 
 
