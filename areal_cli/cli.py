@@ -113,6 +113,7 @@ def train(
             print_plan(plan, Console(), secret=secret, trainer=_trainer_layout(loaded, result))
         return
     _check_ports_free(plan.processes, recipe)
+    from areal_cli.data.prompts import DatasetError
     from areal_cli.launch.train import run_training
     from areal_cli.metrics.display import make_sink
 
@@ -122,6 +123,10 @@ def train(
         from areal_cli.config.errors import ConfigProblem
 
         _fail([ConfigProblem("trial_name", str(exc))], f"in {recipe}")
+    except DatasetError as exc:  # raised before any process started
+        from areal_cli.config.errors import ConfigProblem
+
+        _fail([ConfigProblem("dataset", str(exc))], f"in {recipe}")
     raise typer.Exit(code)
 
 
@@ -474,6 +479,9 @@ class _EvalProgress:
         )
         self.task = self.bar.add_task("eval", total=total, completed=completed)
         self.bar.start()
+
+    def warn(self, text: str) -> None:
+        typer.echo(f"warning: {text}", err=True)
 
     def advance(self) -> None:
         self.bar.advance(self.task)

@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_cli.config.loader import load_config
-from areal_cli.data.prompts import PromptStream, load_prompts, prepare_prompts
+from areal_cli.data.prompts import PromptStream, load_dataset_prompts
 from areal_cli.inference.api import GenerateRequest
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.rollout.rewards import call_reward, resolve_reward
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(seed)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    prompts, skipped = prepare_prompts(tokenizer, load_prompts(cfg.dataset), cfg.dataset)
+    prompts = load_dataset_prompts(tokenizer, cfg.dataset, print)
     stream = PromptStream.from_config(prompts, cfg.dataset)
     reward_fn = resolve_reward(cfg.reward.fn, args.recipe.parent)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a, r, g = cfg.actor, cfg.rollout, cfg.gconfig
     print(
-        f"model {args.model_dir}  {len(prompts)} prompts ({skipped} skipped)  steps "
+        f"model {args.model_dir}  {len(prompts)} prompts  steps "
         f"{cfg.total_train_steps}  batch {r.batch_size}x{r.group_size}  lr {a.optimizer.lr:g}  "
         f"adv {a.adv_estimator}  T {g.temperature}  max_new_tokens {g.max_new_tokens}  "
         f"staleness {staleness}  seed {seed}",

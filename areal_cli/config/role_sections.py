@@ -87,6 +87,11 @@ class CriticConfig:
         0.2, "Clip the new value to within this of the value at rollout time; 0: no clipping.", ge=0
     )
     value_loss_coef: float = field(1.0, "Weight of the value loss in the critic's gradient.", gt=0)
+    epochs: int = field(
+        1,
+        "Optimizer steps of the critic on each minibatch after the actor's update (PPO's value epochs).",
+        ge=1,
+    )
     whiten_advantages: bool = field(
         True, "Normalise the batch's advantages to mean 0 and std 1 before the actor's loss."
     )

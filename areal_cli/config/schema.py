@@ -112,6 +112,25 @@ class WatchdogConfig:
 
 
 @dataclass
+class RestartsConfig:
+    """Relaunching what died instead of stopping the run; past a limit the run stops."""
+
+    trainer: int = field(
+        2,
+        "Times the trainer (every rank) is relaunched from the newest recover checkpoint after any rank dies, within window_s; 0: a dead rank stops the run.",
+        ge=0,
+    )
+    server: int = field(
+        3,
+        "Times each inference server is restarted after it dies, within window_s (it loads the current weights before it takes requests again); 0: a dead server stops the run.",
+        ge=0,
+    )
+    window_s: float = field(
+        3600.0, "Restarts older than this many seconds no longer count against the limits.", gt=0
+    )
+
+
+@dataclass
 class LauncherConfig:
     """How processes are started."""
 
@@ -136,6 +155,7 @@ class LauncherConfig:
         factory=dict, doc="Extra environment variables given to every child process."
     )
     watchdog: WatchdogConfig = sub(WatchdogConfig)
+    restarts: RestartsConfig = sub(RestartsConfig)
 
 
 @dataclass
@@ -394,7 +414,14 @@ class DatasetConfig:
     split: str = field("train", "Split to read (Hub datasets).")
     prompt_key: str = field("prompt", "Column holding the prompt text.")
     answer_key: str = field("answer", "Column holding the reference answer given to the reward.")
-    max_prompt_len: int = field(1024, "Prompts longer than this many tokens are skipped.", ge=1)
+    max_prompt_len: int = field(
+        1024, "Prompts longer than this many tokens are bad rows (see on_bad_row).", ge=1
+    )
+    on_bad_row: str = field(
+        "skip",
+        "Rows that cannot be used (a JSONL line that is not UTF-8 or JSON, a missing or wrong-typed prompt or answer, a prompt over max_prompt_len): skip them with one warning line per kind, or error: stop before any process starts.",
+        choices=("skip", "error"),
+    )
     apply_chat_template: bool = field(True, "Format prompts with the tokenizer's chat template.")
     system_prompt: str = field("", "Optional system message put before every prompt.")
     shuffle: bool = field(True, "Shuffle the dataset (with `seed`) at the start of each epoch.")

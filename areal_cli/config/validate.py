@@ -10,6 +10,7 @@ laptop.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,8 +125,27 @@ def check_config(
         _check_rl(c, command, launch)
         if c.cfg.algorithm == "ppo":
             check_critic(c, mode, launch)
+    if launch and command in ("train", "eval"):
+        _check_fileroot(c)
     _check_planned(c)
     return c.result
+
+
+def _check_fileroot(c: _Checker) -> None:
+    """A run writes under cluster.fileroot: it must be writable before anything starts."""
+    if not c.valid("cluster.fileroot"):
+        return
+    existing = Path(c.cfg.cluster.fileroot).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    if read_only or not os.access(existing, os.W_OK):
+        where = "is on a read-only file system" if read_only else "is not writable"
+        c.error(
+            "cluster.fileroot",
+            f"{existing} {where}",
+            "mount it read-write, or set cluster.fileroot to a folder you can write",
+        )
 
 
 def _check_rl(c: _Checker, command: str, launch: bool) -> None:

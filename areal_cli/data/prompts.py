@@ -1,15 +1,22 @@
 """Prompt datasets: loading rows, turning them into prompt token ids, and a resumable stream.
 
-``load_prompts`` reads JSONL, Parquet or a cached Hub dataset with the ``datasets`` library and
-checks the configured columns. ``format_prompt`` applies the chat template (or plain tokenization)
-and ``prepare_prompts`` drops, and counts, prompts longer than ``max_prompt_len``. ``PromptStream``
-hands out batches in a per-epoch shuffled order that a checkpoint can resume exactly.
+``read_rows`` reads JSONL line by line (Parquet and cached Hub datasets with the ``datasets``
+library) and checks the configured columns. ``format_prompt`` applies the chat template (or
+plain tokenization) and ``prepare_prompts`` keeps the usable rows. ``PromptStream`` hands out
+batches in a per-epoch shuffled order that a checkpoint can resume exactly.
+
+Bad rows (a JSONL line that is not UTF-8 or not a JSON object, a missing prompt or answer,
+one of the wrong type, a prompt over ``max_prompt_len``) are collected by kind in
+``BadRows``; ``dataset.on_bad_row`` then skips them with one warning line per kind, or stops
+the run with one error line. The controller settles them before any process starts.
 """
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -31,6 +38,63 @@ class DatasetError(ValueError):
 # Loading
 # ---------------------------------------------------------------------------------------------
 
+SHOWN_ROWS = 5  # row numbers a bad-row message names per kind
+
+
+class BadRows:
+    """The rows of a dataset that cannot be used, by kind, with their numbers (JSONL: the
+    1-based line; Parquet and Hub: the 0-based row). `key` is the recipe section whose
+    `on_bad_row` decides (dataset or eval.dataset)."""
+
+    def __init__(self, source: str, unit: str, key: str = "dataset") -> None:
+        self.source, self.unit, self.key = source, unit, key
+        self.kinds: dict[str, list[int]] = {}
+
+    def add(self, kind: str, number: int) -> None:
+        self.kinds.setdefault(kind, []).append(number)
+
+    def __len__(self) -> int:
+        return sum(len(numbers) for numbers in self.kinds.values())
+
+    def _where(self, numbers: list[int]) -> str:
+        shown = ", ".join(str(n) for n in numbers[:SHOWN_ROWS])
+        more = f" and {len(numbers) - SHOWN_ROWS} more" if len(numbers) > SHOWN_ROWS else ""
+        return f"{self.unit}{'s' if len(numbers) > 1 else ''} {shown}{more}"
+
+    def warnings(self) -> list[str]:
+        """One line per kind: how many rows were skipped and the first few numbers."""
+        return [
+            f"{self.source}: skipped {len(numbers)} row{'s' if len(numbers) > 1 else ''} "
+            f"with {kind} ({self._where(numbers)})"
+            for kind, numbers in self.kinds.items()
+        ]
+
+    def problem(self) -> str:
+        """The one-line error of `on_bad_row: error`."""
+        kinds = "; ".join(f"{kind} at {self._where(n)}" for kind, n in self.kinds.items())
+        return (
+            f"{self.source} has {len(self)} bad row{'s' if len(self) > 1 else ''}: {kinds}; "
+            f"fix them, or set {self.key}.on_bad_row: skip to skip them"
+        )
+
+    def settle(self, on_bad_row: str, warn: Callable[[str], None]) -> None:
+        """Raise DatasetError under `error` when there is a bad row; else warn once per kind."""
+        if not len(self):
+            return
+        if on_bad_row == "error":
+            raise DatasetError(self.problem())
+        for line in self.warnings():
+            warn(line)
+
+
+@dataclass
+class Rows:
+    """A dataset's readable rows, their numbers, and the rows that could not be read."""
+
+    rows: list[dict[str, Any]]
+    numbers: list[int]
+    bad: BadRows
+
 
 def dataset_type(cfg: DatasetConfig) -> str:
     """jsonl, parquet or hub: ``cfg.type``, or guessed from the path when it is auto."""
@@ -39,24 +103,100 @@ def dataset_type(cfg: DatasetConfig) -> str:
     return _FILE_TYPES.get(Path(cfg.path).suffix.lower(), "hub")
 
 
-def load_prompts(cfg: DatasetConfig) -> list[dict[str, Any]]:
-    """Every row of the dataset as a dict; raises DatasetError naming what is wrong."""
+def read_rows(cfg: DatasetConfig, key: str = "dataset", check_columns: bool = True) -> Rows:
+    """Every row of the dataset. A file that cannot be used, or (with `check_columns`) a
+    prompt or answer column that no row has, raises DatasetError; a JSONL line that is not
+    UTF-8 or not a JSON object goes to `Rows.bad`."""
     if not cfg.path:
-        raise DatasetError("dataset.path is empty")
+        raise DatasetError(f"{key}.path is empty")
     kind = dataset_type(cfg)
-    dataset = _load_hub(cfg) if kind == "hub" else _load_file(cfg.path, kind)
-    _check_columns(dataset.column_names, cfg)
-    rows = dataset.to_list()
-    if not rows:
-        raise DatasetError(f"dataset {cfg.path} has no rows")
-    return rows
+    if kind == "jsonl":
+        out = _read_jsonl(cfg.path, key)
+    else:
+        dataset = _load_hub(cfg) if kind == "hub" else _load_file(cfg.path, kind)
+        rows = dataset.to_list()
+        out = Rows(rows, list(range(len(rows))), BadRows(cfg.path, "row", key))
+    if not out.rows:
+        raise DatasetError(f"dataset {cfg.path} has no rows" + _unreadable(out.bad))
+    if check_columns:
+        columns: set[str] = set()
+        for row in out.rows:
+            columns.update(row)
+        _check_columns(sorted(columns), cfg)
+    return out
+
+
+def _unreadable(bad: BadRows) -> str:
+    return f" that can be read ({'; '.join(bad.warnings())})" if len(bad) else ""
+
+
+def load_prompts(
+    cfg: DatasetConfig, warn: Callable[[str], None] | None = None, key: str = "dataset"
+) -> list[dict[str, Any]]:
+    """The dataset's readable rows as dicts; unreadable JSONL lines are settled by
+    `cfg.on_bad_row` (an error, or one warning per kind to `warn`, stderr by default)."""
+    rows = read_rows(cfg, key)
+    rows.bad.settle(cfg.on_bad_row, warn or _warn_stderr)
+    return rows.rows
+
+
+def _warn_stderr(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def _read_jsonl(path: str, key: str) -> Rows:
+    """A JSON-lines file read line by line (a .json file holding one array also works)."""
+    file = Path(path)
+    if not file.is_file():
+        raise DatasetError(f"dataset file not found: {path}")
+    rows, numbers, bad = [], [], BadRows(path, "line", key)
+    with open(file, "rb") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith(b"["):
+            return _read_json_array(f.read(), path, key)
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                bad.add("invalid UTF-8", n)
+                continue
+            except json.JSONDecodeError:
+                bad.add("invalid JSON", n)
+                continue
+            if not isinstance(row, dict):
+                bad.add("invalid JSON", n)  # a value, not an object of columns
+                continue
+            rows.append(row)
+            numbers.append(n)
+    return Rows(rows, numbers, bad)
+
+
+def _read_json_array(data: bytes, path: str, key: str) -> Rows:
+    try:
+        items = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatasetError(f"cannot read json dataset {path}: {_first_line(exc)}") from exc
+    bad = BadRows(path, "row", key)
+    rows, numbers = [], []
+    for n, item in enumerate(items):
+        if isinstance(item, dict):
+            rows.append(item)
+            numbers.append(n)
+        else:
+            bad.add("invalid JSON", n)
+    return Rows(rows, numbers, bad)
 
 
 def _load_file(path: str, kind: str) -> Any:
     """A local JSONL or Parquet file as a ``datasets.Dataset`` (``split`` does not apply)."""
     if not Path(path).is_file():
         raise DatasetError(f"dataset file not found: {path}")
-    from datasets import load_dataset
+    from datasets import disable_progress_bars, load_dataset
+
+    disable_progress_bars()  # the controller's display owns stdout
 
     try:
         return load_dataset(
@@ -68,7 +208,9 @@ def _load_file(path: str, kind: str) -> Any:
 
 def _load_hub(cfg: DatasetConfig) -> Any:
     """A Hub dataset split (from the local cache when offline)."""
-    from datasets import load_dataset
+    from datasets import disable_progress_bars, load_dataset
+
+    disable_progress_bars()
 
     try:
         return load_dataset(cfg.path, split=cfg.split, cache_dir=_datasets_cache())
@@ -169,16 +311,59 @@ def chat_ids(
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
+def row_problem(row: Mapping[str, Any], cfg: DatasetConfig) -> str | None:
+    """What makes a row unusable as a prompt with its answer (a bad-row kind), or None."""
+    prompt = row.get(cfg.prompt_key)
+    if prompt is None:
+        return f"no {cfg.prompt_key!r}"
+    messages = (
+        cfg.apply_chat_template
+        and isinstance(prompt, list)
+        and all(isinstance(m, Mapping) and {"role", "content"} <= set(m) for m in prompt)
+    )
+    if not (isinstance(prompt, str) or messages):
+        wanted = "text or a message list" if cfg.apply_chat_template else "text"
+        return f"a {cfg.prompt_key!r} that is not {wanted}"
+    answer = row.get(cfg.answer_key)
+    if answer is None:
+        return f"no {cfg.answer_key!r}"
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        return f"an {cfg.answer_key!r} that is not text or a number"
+    return None
+
+
 def prepare_prompts(
-    tokenizer: Any, rows: Sequence[Mapping[str, Any]], cfg: DatasetConfig
-) -> tuple[list[Prompt], int]:
-    """Tokenize every row; returns the prompts that fit and how many were too long."""
+    tokenizer: Any, rows: Rows | Sequence[Mapping[str, Any]], cfg: DatasetConfig
+) -> tuple[list[Prompt], BadRows]:
+    """Tokenize every usable row; returns the prompts and the bad rows (those of `rows`,
+    those that `row_problem` names, and those longer than ``max_prompt_len``)."""
+    if not isinstance(rows, Rows):
+        rows = Rows(list(rows), list(range(len(rows))), BadRows(cfg.path, "row"))
+    bad = rows.bad
     prompts: list[Prompt] = []
-    for index, row in enumerate(rows):
+    for index, (number, row) in enumerate(zip(rows.numbers, rows.rows, strict=True)):
+        problem = row_problem(row, cfg)
+        if problem is not None:
+            bad.add(problem, number)
+            continue
         ids = format_prompt(tokenizer, row, cfg)
-        if ids is not None:
-            prompts.append(Prompt(index, ids, str(row[cfg.answer_key]), dict(row)))
-    return prompts, len(rows) - len(prompts)
+        if ids is None:
+            bad.add(f"a prompt over max_prompt_len={cfg.max_prompt_len} tokens", number)
+            continue
+        prompts.append(Prompt(index, ids, str(row[cfg.answer_key]), dict(row)))
+    return prompts, bad
+
+
+def load_dataset_prompts(
+    tokenizer: Any, cfg: DatasetConfig, warn: Callable[[str], None], key: str = "dataset"
+) -> list[Prompt]:
+    """The dataset's prompts for a rollout or an eval, its bad rows settled by
+    `cfg.on_bad_row` (raises DatasetError under error, or when no prompt is left)."""
+    prompts, bad = prepare_prompts(tokenizer, read_rows(cfg, key), cfg)
+    bad.settle(cfg.on_bad_row, warn)
+    if not prompts:
+        raise DatasetError(f"{cfg.path} has no usable prompt ({'; '.join(bad.warnings())})")
+    return prompts
 
 
 # ---------------------------------------------------------------------------------------------

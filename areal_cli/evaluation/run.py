@@ -213,12 +213,16 @@ def _done_samples(path: Path) -> dict[tuple[int, int], dict]:
 
 
 async def _score_all(
-    cfg: Any, loaded: LoadedConfig, plan: LaunchPlan, runner: LocalRunner, out: Path, progress: Any
+    cfg: Any,
+    loaded: LoadedConfig,
+    plan: LaunchPlan,
+    runner: LocalRunner,
+    out: Path,
+    progress: Any,
+    tokenizer: Any,
+    prompts: list,
 ) -> list[dict]:
-    from transformers import AutoTokenizer
-
     from areal_cli.config.schema import GenerationHyperparameters
-    from areal_cli.data.prompts import load_prompts, prepare_prompts
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
     from areal_cli.rollout.workflows import EpisodeClient
@@ -237,11 +241,6 @@ async def _score_all(
     done = _done_samples(samples_file)
     try:
         await client.wait_healthy(cfg.launcher.startup_timeout_s, on_poll=lambda _: runner.check())
-        model_dir = Path(plan.processes[0].argv[plan.processes[0].argv.index("--model-path") + 1])
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
-        prompts, _ = prepare_prompts(tokenizer, load_prompts(ev.dataset), ev.dataset)
-        if ev.max_prompts:
-            prompts = prompts[: ev.max_prompts]
         gconfig: GenerationHyperparameters = ev.gconfig
         todo = [(p, i) for p in prompts for i in range(ev.n_samples) if (p.index, i) not in done]
         progress.start(len(prompts) * ev.n_samples, len(prompts) * ev.n_samples - len(todo))
@@ -302,16 +301,26 @@ def run_eval(
     loaded: LoadedConfig, plan: LaunchPlan, checkpoint: Path | None, out: Path | None, progress: Any
 ) -> dict[str, Any]:
     """Evaluate; returns the summary (also written to OUT/summary.json)."""
-    import datasets
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    datasets.disable_progress_bars()
+    from areal_cli.data.prompts import DatasetError, load_dataset_prompts
+
     hf_logging.disable_progress_bar()
     cfg = loaded.config
     scratch = Path(tempfile.mkdtemp(prefix="areal-eval-"))
     runner = LocalRunner()
     try:
         chosen = resolve_checkpoint(cfg, checkpoint, scratch)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or chosen.model_dir)
+        try:  # before any process starts: a bad row under on_bad_row: error is exit 2
+            prompts = load_dataset_prompts(
+                tokenizer, cfg.eval.dataset, progress.warn, key="eval.dataset"
+            )
+        except DatasetError as exc:
+            raise EvalInputError(f"eval.dataset: {exc}") from None
+        if cfg.eval.max_prompts:
+            prompts = prompts[: cfg.eval.max_prompts]
         identity = eval_identity(cfg, chosen)
         out = out or default_out(cfg, chosen, identity["key"])
         claim_out(out, identity)
@@ -319,7 +328,9 @@ def run_eval(
         start = time.perf_counter()
         for spec in served.processes:
             runner.start(spec)
-        rows = asyncio.run(_score_all(cfg, loaded, served, runner, out, progress))
+        rows = asyncio.run(
+            _score_all(cfg, loaded, served, runner, out, progress, tokenizer, prompts)
+        )
         summary = summarize_rows(rows, cfg.eval.k, time.perf_counter() - start)
         summary["checkpoint"] = str(chosen.model_dir if checkpoint is None else checkpoint)
         summary["model_fingerprint"] = identity["model"]

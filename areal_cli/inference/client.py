@@ -12,6 +12,12 @@ with exponential backoff; a `generate` retry prefers a server it has not tried y
 HTTP 4xx is the caller's fault and is raised at once as `RequestRejected`. When retries
 run out, `ServerUnavailable` names the server(s), says what went wrong and points to the
 server's log when the client was given one.
+
+Restarts: the controller takes a server that died out of routing (`set_down`) until its
+new process is healthy and holds the current weights (`set_up`). Meanwhile `generate`
+goes to the other servers, or waits for one to come back; an attempt that failed on the
+server that died is re-issued without counting as a retry (`reissued` counts them), and
+calls to every server skip it.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ class _Retryable(Exception):
         self.reason = reason
 
 
+_WENT_DOWN = object()  # what _call_on returns for a server taken down during the call
+
+
 @dataclass
 class _Server:
     address: str
@@ -67,6 +76,8 @@ class _Server:
     inflight: int = 0  # /generate requests, for least_loaded routing
     pending: dict[str, int] = field(default_factory=dict)  # every call in flight, by path
     last_done: float = field(default_factory=time.time)  # wall time a call was last answered
+    down: bool = False  # restarting: out of routing (see InferenceClient.set_down)
+    epoch: int = 0  # how many times it was taken down
 
 
 def _reason(exc: BaseException, timeout_s: float) -> str:
@@ -124,6 +135,7 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
+        self.reissued = 0  # generate attempts re-issued after their server died
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -165,18 +177,53 @@ class InferenceClient:
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        answers = await self._call_all("/update_weights_from_disk", body, accept_4xx=True)
+        pairs = await self._call_live("/update_weights_from_disk", body, accept_4xx=True)
+        answers = [answer for _, answer in pairs]
         refused = [
             f"{server.address}: {_error_message(answer)}"
-            for server, answer in zip(self.servers, answers, strict=True)
+            for server, answer in pairs
             if not (isinstance(answer, dict) and answer.get("success"))
         ]
         if refused:
             raise WeightUpdateFailed(
-                f"{len(refused)} of {len(self.servers)} server(s) refused weights from "
+                f"{len(refused)} of {len(pairs)} server(s) refused weights from "
                 f"{model_path}: " + "; ".join(refused)
             )
         return answers
+
+    async def load_weights_on(
+        self, address: str, model_path: str, weight_version: str | int
+    ) -> dict[str, Any]:
+        """Load `model_path` on one server (a restarted one, still down) and return its
+        /model_info; raise `WeightUpdateFailed` when it refuses."""
+        server = self._server(address)
+        body = {"model_path": str(model_path), "weight_version": str(weight_version)}
+        answer = await self._call_on(server, "/update_weights_from_disk", body, accept_4xx=True)
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise WeightUpdateFailed(
+                f"server {address} refused weights from {model_path}: {_error_message(answer)}"
+            )
+        return await self._call_on(server, "/model_info", None)
+
+    def set_down(self, address: str) -> None:
+        """Take a server out of routing while it restarts (see the module docstring)."""
+        server = self._server(address)
+        server.down = True
+        server.epoch += 1
+
+    def set_up(self, address: str) -> None:
+        """Route to a restarted server again."""
+        self._server(address).down = False
+
+    def _server(self, address: str) -> _Server:
+        return next(s for s in self.servers if s.address == address.rstrip("/"))
+
+    def _live(self) -> list[_Server]:
+        return [s for s in self.servers if not s.down]
+
+    def any_up(self) -> bool:
+        """Whether any server takes requests (not all are restarting)."""
+        return bool(self._live())
 
     async def model_info(self) -> list[dict[str, Any]]:
         """GET /model_info of every server, in address order."""
@@ -186,6 +233,10 @@ class InferenceClient:
         """Whether each server answers GET /health with 200 right now (no retries)."""
         results = await asyncio.gather(*(self._healthy(s) for s in self.servers))
         return {s.address: ok for s, ok in zip(self.servers, results, strict=True)}
+
+    async def healthy(self, address: str) -> bool:
+        """Whether one server answers GET /health with 200 right now."""
+        return await self._healthy(self._server(address))
 
     async def pause_generation(self, mode: str = "abort") -> list[dict[str, Any]]:
         """Pause every server ("abort", "in_place" or "retract", as in SGLang)."""
@@ -235,8 +286,10 @@ class InferenceClient:
     # ------------------------------------------------------------------ routing
 
     def _pick(self, tried: set[str]) -> _Server:
-        """The next server by policy, preferring ones not yet tried for this request."""
-        fresh = [s for s in self.servers if s.address not in tried] or self.servers
+        """The next server by policy, preferring ones not yet tried for this request (and
+        never one that is down; the caller waits until one is up)."""
+        live = self._live()
+        fresh = [s for s in live if s.address not in tried] or live
         start = next(self._turn)
         order = [fresh[(start + i) % len(fresh)] for i in range(len(fresh))]
         if self.policy == "round_robin":
@@ -246,39 +299,60 @@ class InferenceClient:
     async def _call_one(self, path: str, body: dict[str, Any]) -> Any:
         """POST to one server, retrying transport failures, preferably elsewhere."""
         tried: dict[str, str] = {}
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
+            while not self._live():  # every server is restarting
+                await asyncio.sleep(0.05)
             server = self._pick(set(tried))
+            epoch = server.epoch
             server.inflight += 1
             try:
                 return await self._attempt(server, "POST", path, body)
             except _Retryable as exc:
-                tried[server.address] = exc.reason
+                reason = exc.reason
             finally:
                 server.inflight -= 1
             if attempt < self.retries:
                 await self._backoff(attempt)
-        raise self._unavailable(path, tried)
+            if server.down or server.epoch != epoch:  # it died: re-issue, not a retry
+                self.reissued += 1
+                continue
+            tried[server.address] = reason
+            if attempt == self.retries:
+                raise self._unavailable(path, tried)
+            attempt += 1
 
     async def _call_all(self, path: str, body: dict[str, Any] | None, **kw: Any) -> list[Any]:
-        """The same call on every server (each with its own retries), in address order.
+        """The answers of `_call_live`."""
+        return [answer for _, answer in await self._call_live(path, body, **kw)]
+
+    async def _call_live(
+        self, path: str, body: dict[str, Any] | None, **kw: Any
+    ) -> list[tuple[_Server, Any]]:
+        """The same call on every server that is up (each with its own retries), in
+        address order, with each answer; a server that goes down meanwhile is left out.
         Every call finishes before the first error is raised, so no call is left running."""
-        calls = (self._call_on(s, path, body, **kw) for s in self.servers)
+        live = self._live()
+        calls = (self._call_on(s, path, body, **kw) for s in live)
         results = await asyncio.gather(*calls, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return list(results)
+        return [(s, r) for s, r in zip(live, results, strict=True) if r is not _WENT_DOWN]
 
     async def _call_on(
         self, server: _Server, path: str, body: dict[str, Any] | None, accept_4xx: bool = False
     ) -> Any:
         method = "GET" if body is None else "POST"
         reason = ""
+        epoch = server.epoch
         for attempt in range(self.retries + 1):
             try:
                 return await self._attempt(server, method, path, body, accept_4xx)
             except _Retryable as exc:
                 reason = exc.reason
+            if server.epoch != epoch:  # it died and restarts (see set_down)
+                return _WENT_DOWN
             if attempt < self.retries:
                 await self._backoff(attempt)
         raise self._unavailable(path, {server.address: reason})

@@ -57,6 +57,7 @@ async def follow_trainer(
     *,
     until_trainer_done: Callable[[], Awaitable[None]],
     guards: list[Awaitable[None]],
+    counters: dict[str, int] | None = None,
     poll_s: float = 0.1,
 ) -> None:
     """Relay the trainer's lines until it exits cleanly (see the module docstring)."""
@@ -72,7 +73,7 @@ async def follow_trainer(
             record = json.loads(line)
             if record["step"] in done:
                 continue
-            metrics = supervised_metrics(record)
+            metrics = supervised_metrics(record) | (counters or {})
             with open(target, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             done.add(record["step"])

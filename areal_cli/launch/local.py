@@ -108,25 +108,33 @@ class LocalRunner:
     def get(self, name: str) -> Child:
         return next(c for c in self.children if c.spec.name == name)
 
+    def stop(self, child: Child, grace_s: float = 10.0) -> None:
+        """Stop `child`'s whole process group (nothing of it survives) and forget it; its
+        spec can then be started again (appending to the same log)."""
+        _stop_groups([child], grace_s)
+        self.children.remove(child)
+
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, wait up to `grace_s`, then SIGKILL the rest."""
-        for child in self.children:
-            _signal_group(child.popen, signal.SIGTERM)
-            _signal_group(
-                child.popen, signal.SIGCONT
-            )  # a stopped process acts on TERM once continued
-        deadline = time.monotonic() + grace_s
-        for child in self.children:
-            try:
-                child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for child in self.children:
-            _signal_group(child.popen, signal.SIGKILL)  # also reaps grandchildren left behind
-            try:
-                child.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        _stop_groups(self.children, grace_s)
+
+
+def _stop_groups(children: list[Child], grace_s: float) -> None:
+    for child in children:
+        _signal_group(child.popen, signal.SIGTERM)
+        _signal_group(child.popen, signal.SIGCONT)  # a stopped process acts on TERM once continued
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in children:
+        _signal_group(child.popen, signal.SIGKILL)  # also reaps grandchildren left behind
+        try:
+            child.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

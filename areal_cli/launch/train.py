@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,18 @@ from areal_cli.config.loader import LoadedConfig, to_yaml
 from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
+from areal_cli.launch.restarts import Restarter
 from areal_cli.launch.watchdog import RunStuck, watch
 from areal_cli.rollout.controller import ServerAddress, run_loop
+from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import heartbeat
+from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
 from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
 
 
 def ensure_model(loaded: LoadedConfig, run_dir: Path) -> Path:
-    """The initial model folder; builtin models are built into RUN/model once."""
+    """The initial model folder; builtin models are built into RUN/model once (linked from
+    the cache)."""
     cfg = loaded.config
     path = Path(initial_model_path(cfg, run_dir))
     if cfg.model.path.startswith("builtin:"):
@@ -47,6 +52,34 @@ def ensure_model(loaded: LoadedConfig, run_dir: Path) -> Path:
     return path
 
 
+def read_data(cfg: Any, warn: Callable[[str], None]) -> list | None:
+    """The rollout's prompts (None for a supervised role, whose trainer reads its data),
+    with every bad row settled by on_bad_row: skipped with a warning, or DatasetError.
+    A supervised role's files are checked line by line here too (its trainer checks the
+    columns)."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from areal_cli.data.prompts import load_dataset_prompts, read_rows
+
+    if cfg.algorithm in SUPERVISED:
+        held_out = getattr(cfg, cfg.algorithm).eval_path
+        for path in [cfg.dataset.path] + ([held_out] if held_out else []):
+            data = replace(cfg.dataset, path=path)
+            read_rows(data, check_columns=False).bad.settle(data.on_bad_row, warn)
+        return None
+    if cfg.model.path.startswith("builtin:"):  # the tokenizer of the cached build
+        from areal_cli.models.builtin import build_cached
+        from areal_cli.rollout.rewards import numeric
+
+        source = build_cached(cfg.model.path.split(":", 1)[1], cfg.model.seed, numeric)
+    else:
+        source = cfg.model.path
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)
+    return load_dataset_prompts(tokenizer, cfg.dataset, warn)
+
+
 def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:
     """The spec's argv, with --resume for a resumed trainer."""
     argv = list(spec.argv)
@@ -55,29 +88,84 @@ def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:
     return argv
 
 
-async def _trainer_done(runner: LocalRunner, poll_s: float = 0.2) -> None:
-    """Raise ChildFailed as soon as a child dies; return when the trainer exits cleanly."""
+def _loop(loaded, run_dir, servers, start_step, sink, prompts, restarter: Restarter):
+    """The controller's loop from `start_step`: the rollout loop, or for a supervised role
+    the follower of the trainer's lines."""
+    cfg = loaded.config
+    runner = restarter.runner
+    if cfg.algorithm in SUPERVISED:  # no rollouts: follow the trainer, which reads its data
+        from areal_cli.launch.follow import follow_trainer
+
+        return follow_trainer(
+            run_dir,
+            sink,
+            until_trainer_done=lambda: _trainer_done(runner),
+            guards=[
+                watch(cfg, run_dir, None, {}, lambda: f"no rollouts (algorithm: {cfg.algorithm})")
+            ],
+            counters=restarter.counters,
+        )
+    names = {s.address: s.name for s in servers}
+    addresses = {s.name: s.address for s in servers}
+
+    async def restart_server(failed: ChildFailed, recovery: ServerRecovery) -> None:
+        await restarter.server(failed, recovery, addresses[failed.child.spec.name])
+
+    return run_loop(
+        loaded,
+        run_dir,
+        servers,
+        start_step,
+        sink,
+        prompts,
+        check_children=lambda: runner.check(allow_exit={"trainer"}),
+        until_trainer_done=lambda recovery: _trainer_done(runner, recovery, restart_server),
+        guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
+        counters=restarter.counters,
+    )
+
+
+async def _trainer_done(
+    runner: LocalRunner,
+    recovery: ServerRecovery | None = None,
+    restart_server: Callable[[ChildFailed, ServerRecovery], Awaitable[None]] | None = None,
+    poll_s: float = 0.2,
+) -> None:
+    """Raise ChildFailed as soon as a child dies (a server that `restart_server` brings
+    back excepted); return when the trainer exits cleanly."""
     while True:
-        runner.check(allow_exit={"trainer"})
+        try:
+            runner.check(allow_exit={"trainer"})
+        except ChildFailed as exc:
+            is_server = exc.child.spec.role.startswith("inference")
+            if not (is_server and recovery is not None and restart_server is not None):
+                raise
+            await restart_server(exc, recovery)
+            continue
         if runner.get("trainer").popen.poll() == 0:
             return
         await asyncio.sleep(poll_s)
 
 
 def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) -> int:
-    """Run the whole training job; returns the process exit code (0, 1 or 130)."""
+    """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
+    that cannot be used raises DatasetError before anything is written or started."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
+    if cfg.model.path.startswith("builtin:"):
+        sink.status(f"preparing {cfg.model.path} (built and cached on first use)")
+    warnings: list[str] = []
+    prompts = read_data(cfg, warnings.append)
     start_step = prepare_run_dir(
         run_dir, plan.dirs, to_yaml(cfg), plan.to_dict(secret=cfg.inference.api_key), resume
     )
+    for line in warnings:
+        sink.warn(line)
     if resume:
         trim_after(run_dir, start_step - 1)
     if start_step >= cfg.total_train_steps:
         sink.status(f"nothing to do: the run already finished {start_step} steps")
         return 0
-    if cfg.model.path.startswith("builtin:"):
-        sink.status(f"preparing {cfg.model.path} (built and cached on first use)")
     ensure_model(loaded, run_dir)
     heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog
     servers = [
@@ -85,7 +173,6 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         for p in plan.processes
         if p.role.startswith("inference")
     ]
-    names = {s.address: s.name for s in servers}
     runner = LocalRunner()
     interrupted = {"signal": None}
 
@@ -98,31 +185,17 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
         sink.start(cfg, start_step)
-        if cfg.algorithm in SUPERVISED:  # no rollouts: follow the trainer, which reads its data
-            from areal_cli.launch.follow import follow_trainer
-
-            loop = follow_trainer(
-                run_dir,
-                sink,
-                until_trainer_done=lambda: _trainer_done(runner),
-                guards=[
-                    watch(
-                        cfg, run_dir, None, {}, lambda: f"no rollouts (algorithm: {cfg.algorithm})"
-                    )
-                ],
-            )
-        else:
-            loop = run_loop(
-                loaded,
-                run_dir,
-                servers,
-                start_step,
-                sink,
-                check_children=lambda: runner.check(allow_exit={"trainer"}),
-                until_trainer_done=lambda: _trainer_done(runner),
-                guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
-            )
-        asyncio.run(loop)
+        restarter = Restarter(runner, cfg.launcher.restarts, sink)
+        while True:
+            loop = _loop(loaded, run_dir, servers, start_step, sink, prompts, restarter)
+            try:
+                asyncio.run(loop)
+                break
+            except ChildFailed as exc:
+                if exc.child.spec.name != "trainer":
+                    raise
+                argv = child_argv(exc.child.spec, resume=True)
+                start_step = restarter.trainer(exc, run_dir, argv)
         sink.finish(run_dir)
         return 0
     except KeyboardInterrupt:
@@ -132,14 +205,24 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     except ChildFailed as exc:
         sink.error(f"{exc}\n--- last lines of {exc.child.spec.log} ---\n{exc.tail.rstrip()}")
         return 1
+    except DiskProblem as exc:
+        sink.error(f"run stopped: {exc}")
+        return 1
     except RunStuck as exc:
         sink.error(f"run stuck: {exc}; stopping every process (areal train --resume continues it)")
         return 1
     except Exception as exc:  # the run started: report, tear down, exit 1
+        if is_disk_error(exc):
+            runner.stop_all()  # the writers stop before their leftovers are swept
+            problem = diagnose(run_dir, exc)
+            if problem is not None:
+                sink.error(f"run stopped: {problem}")
+                return 1
         sink.error(f"run failed: {exc.__class__.__name__}: {exc}")
         return 1
     finally:
         runner.stop_all()
+        sweep(run_dir, ALL_ENTRIES)  # unfinished writes of the stopped writers
         for s, handler in previous.items():
             signal.signal(s, handler)
         sys.stdout.flush()

@@ -100,6 +100,16 @@ class Sink:
             total = self.cfg.total_train_steps
             self.console.print(f"[areal] step {metrics['step'] + 1}/{total} {line}", markup=False)
 
+    def warn(self, text: str) -> None:
+        """A warning line on stderr (and in the controller log)."""
+        self._log_line(f"warning: {text}")
+        if self._progress is not None:
+            self._progress.console.print(f"warning: {text}", markup=False)
+        else:
+            Console(stderr=True, highlight=False, soft_wrap=True).print(
+                f"warning: {text}", markup=False
+            )
+
     def error(self, text: str) -> None:
         self._log_line(f"error: {text}")
         self._stop_live()
@@ -119,10 +129,17 @@ class Sink:
         self.console.print(f"metrics: {run_dir / 'metrics.jsonl'}   curve: {path}", markup=False)
 
     def _log_line(self, text: str) -> None:
-        if self._log is None:
-            self._log = open_log(self.run_dir / "logs" / "controller.log")
-        self._log.write(time.strftime("%H:%M:%S ") + text + "\n")
-        self._log.flush()
+        if self._log is None and not self.run_dir.is_dir():
+            return  # before the run directory exists (bad input must write nothing)
+        if self._log is False:
+            return  # the disk refused it once (full or read-only): the console still shows
+        try:
+            if self._log is None:
+                self._log = open_log(self.run_dir / "logs" / "controller.log")
+            self._log.write(time.strftime("%H:%M:%S ") + text + "\n")
+            self._log.flush()
+        except OSError:
+            self._log = False
 
     # -- writers
     def _open_writers(self) -> None:

@@ -25,12 +25,13 @@ One step (inside step.train_step, collective like the rest of it):
   2. The actor's PPO loss takes these per-token advantages.
   3. `update`, per minibatch after the actor's optimizer step: the clipped value loss
      (values.value_loss) against the returns, the mean over the minibatch's generated
-     tokens times `critic.value_loss_coef`, and one optimizer step.
+     tokens times `critic.value_loss_coef`, and an optimizer step; `critic.epochs` times
+     (the schedule steps once per minibatch, as the actor's does).
 Metrics: value_loss, value_clip_frac, explained_variance (1 - Var(returns - values) /
 Var(returns), of the step-start values over the batch's generated tokens; 0 when the
 returns barely vary), value_mean, return_mean, critic_grad_norm. value_clip_frac is 0 with
-one minibatch: the critic then steps once per batch, from the very values it is clipped
-around.
+one minibatch and one epoch: the critic then steps once per batch, from the very values it
+is clipped around.
 """
 
 from __future__ import annotations
@@ -263,41 +264,46 @@ def update(
     layout: Any,
     beat: Any,
     stats: Any,
-) -> float:
-    """Step 3 of the module docstring for one minibatch; returns the critic's grad norm."""
+) -> list[float]:
+    """Step 3 of the module docstring for one minibatch: `critic.epochs` optimizer steps,
+    each over all its micro-batches, then one step of the schedule; returns the grad norms."""
     from areal_cli.trainer.step import empty_forward, global_normalizer, optimizer_step
 
     normalizer = global_normalizer(batch, minibatch, "token_mean")
-    for j, mb in enumerate(plan.micro_batches):
-        beat(f"critic mb {j + 1}/{len(plan.micro_batches)}")
-        tg = row[j]
-        if not mb or tg is None:
-            (empty_forward(critic.model, layout) * layout.data_world).backward()
-            continue
-        values, _ = forward_values(critic.model, batch, [shard[i] for i in mb], layout)
-        eps = critic.cfg.value_eps_clip or None
-        per_token, vstats = value_loss(values, tg.values, tg.returns, tg.mask, eps)
-        loss = per_token.sum() / normalizer
-        (loss * critic.cfg.value_loss_coef * layout.data_world).backward()
-        n_tok = float(tg.mask.sum())
-        stats.add("value_loss", loss.detach())
-        stats.add("value_clip_sum", vstats["value_clip_frac"] * n_tok)
-        stats.add("value_tokens", n_tok)
-    beat("critic optimizer step")
-    norm = optimizer_step(critic.model, critic.optimizer, critic.clip_grad)
+    eps = critic.cfg.value_eps_clip or None
+    norms = []
+    for epoch in range(critic.cfg.epochs):
+        of = f" epoch {epoch + 1}/{critic.cfg.epochs}" if critic.cfg.epochs > 1 else ""
+        for j, mb in enumerate(plan.micro_batches):
+            beat(f"critic mb {j + 1}/{len(plan.micro_batches)}{of}")
+            tg = row[j]
+            if not mb or tg is None:
+                (empty_forward(critic.model, layout) * layout.data_world).backward()
+                continue
+            values, _ = forward_values(critic.model, batch, [shard[i] for i in mb], layout)
+            per_token, vstats = value_loss(values, tg.values, tg.returns, tg.mask, eps)
+            loss = per_token.sum() / normalizer
+            (loss * critic.cfg.value_loss_coef * layout.data_world).backward()
+            n_tok = float(tg.mask.sum())
+            stats.add("value_loss", loss.detach())
+            stats.add("value_clip_sum", vstats["value_clip_frac"] * n_tok)
+            stats.add("value_tokens", n_tok)
+        beat("critic optimizer step" + of)
+        norms.append(optimizer_step(critic.model, critic.optimizer, critic.clip_grad))
     critic.scheduler.step()
-    return norm
+    return norms
 
 
-def finish_stats(out: dict[str, float], grad_norms: list[float], n_minibatches: int) -> dict:
-    """The critic's metrics from the reduced sums (see STAT_KEYS)."""
+def finish_stats(out: dict[str, float], grad_norms: list[float], n_updates: int) -> dict:
+    """The critic's metrics from the reduced sums (see STAT_KEYS); `n_updates`: the
+    critic's optimizer steps this step (value_loss is their mean)."""
     n = max(out.pop("ev_n"), 1.0)
     r_mean, d_mean = out.pop("ev_r") / n, out.pop("ev_d") / n
     var_r = out.pop("ev_r2") / n - r_mean**2
     var_d = out.pop("ev_d2") / n - d_mean**2
     value_tokens = max(out.pop("value_tokens"), 1.0)
     return {
-        "value_loss": out.pop("value_loss") / max(n_minibatches, 1),
+        "value_loss": out.pop("value_loss") / max(n_updates, 1),
         "value_clip_frac": out.pop("value_clip_sum") / value_tokens,
         # 0 when the returns barely vary (a batch scored alike): the ratio means nothing there
         "explained_variance": 1.0 - var_d / var_r if var_r > EV_MIN_VARIANCE else 0.0,

@@ -264,7 +264,9 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         )
     beat.phase("final barrier")
     dist.barrier()
-    if cfg.saver.freq_steps == 0 and last > start:
+    final = run_dir / "checkpoints" / f"step-{last - 1}"
+    # also when resumed at the end: the killed trainer may have died before writing it
+    if cfg.saver.freq_steps == 0 and last > 0 and (last > start or not final.exists()):
         beat.phase("final checkpoint")
         checkpoint.export_hf(
             run_dir / "checkpoints",

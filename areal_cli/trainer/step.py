@@ -392,10 +392,8 @@ def train_step(
         if scheduler is not None:
             scheduler.step()
         if critic is not None:
-            critic_norms.append(
-                critic_role.update(
-                    critic, batch, minibatch, shard, plan, targets[m], layout, beat, stats
-                )
+            critic_norms += critic_role.update(
+                critic, batch, minibatch, shard, plan, targets[m], layout, beat, stats
             )
     for plan in plans:
         stats.add("padding_fraction_sum", plan.padding_fraction)
@@ -405,7 +403,7 @@ def train_step(
     out = stats.reduce(layout.stats_group)
     result = {}
     if critic is not None:
-        result = critic_role.finish_stats(out, critic_norms, n_minibatches)
+        result = critic_role.finish_stats(out, critic_norms, len(critic_norms))
         result["critic_lr"] = critic.optimizer.param_groups[0]["lr"]
     result.update(
         _finish_stats(out, grad_norms, batch, layout.data_world, n_minibatches, optimizer)

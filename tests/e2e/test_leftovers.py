@@ -55,4 +55,5 @@ def test_train_and_eval_write_only_the_run_and_the_cache(tmp_path: Path) -> None
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert _tree(home) == [], "written under the home directory"
     assert _tree(tmp) == [], "left in the temp directory"
-    assert (cache / "datasets").is_dir()  # the dataset caches went here instead
+    # JSONL is read directly: no Arrow copy anywhere (Parquet's would go to cache/datasets)
+    assert not (cache / "datasets").exists()

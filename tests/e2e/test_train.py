@@ -206,8 +206,10 @@ def test_resume_after_kill_9_of_the_controller(tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["ctrl-c", "kill-server", "kill-trainer-rank"])
 def test_teardown_leaves_no_process(tmp_path: Path, how: str) -> None:
     run_dir = _run_dir(tmp_path)
+    # no restarts: a dead process stops the run (tests/e2e/test_relaunch.py restarts them)
+    args = _args(tmp_path, 200, "launcher.restarts.trainer=0", "launcher.restarts.server=0")
     proc = subprocess.Popen(
-        _args(tmp_path, 200), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         _wait_for(lambda: len(_metrics(run_dir)) >= 1, 300, proc)

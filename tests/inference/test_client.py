@@ -253,3 +253,27 @@ def test_constructor_checks() -> None:
         InferenceClient([])
     with pytest.raises(ValueError, match="policy"):
         InferenceClient(["http://x"], policy="random")  # type: ignore[arg-type]
+
+
+def test_a_server_taken_down_is_waited_for_and_its_failed_attempts_reissued() -> None:
+    """While the controller restarts a server (set_down .. set_up), a request that failed
+    on it waits instead of using up its retries, and control calls skip it."""
+    stub = Stub(503, failures=10)
+
+    async def body(url: str) -> dict:
+        async with InferenceClient([url], retries=1, backoff_s=0.5) as client:
+            request = asyncio.ensure_future(client.generate([1], {}))
+            while stub.calls < 1:
+                await asyncio.sleep(0.01)
+            client.set_down(url)  # the controller saw the process die
+            assert not client.any_up() and await client.model_info() == []
+            await asyncio.sleep(1.0)  # two backoffs: retries=1 alone would have failed
+            assert not request.done() and stub.calls == 1
+            stub.failures = 0  # the new process answers
+            client.set_up(url)
+            answer = await request
+            assert client.reissued == 1
+            return answer
+
+    assert run(with_stub(stub, body))["output_ids"] == [1]
+    assert stub.calls == 2

@@ -357,3 +357,35 @@ def test_missing_model_warns_on_plans_and_stops_a_real_run(workdir: Path) -> Non
         and "error: recipe.yaml:9: model.path: model path does not exist" in real.stderr
     )
     assert "Traceback" not in real.stderr and snapshot(workdir) == before
+
+
+# (id, the bad line after a good one in data.jsonl, what the error line says of it)
+BAD_ROWS = [
+    ("invalid-utf8", b'{"prompt": "1+1", "answer": "\xff"}', "invalid UTF-8 at line 2"),
+    ("invalid-json", b'{"prompt": "1+1", "answer":', "invalid JSON at line 2"),
+    ("missing-prompt", b'{"answer": "2"}', "no 'prompt' at line 2"),
+    ("prompt-type", b'{"prompt": 12, "answer": "2"}', "a 'prompt' that is not text"),
+    ("missing-answer", b'{"prompt": "1+1"}', "no 'answer' at line 2"),
+    ("answer-type", b'{"prompt": "1+1", "answer": [2]}', "an 'answer' that is not text"),
+    (
+        "prompt-too-long",
+        json.dumps({"prompt": "one plus one " * 600, "answer": "2"}).encode(),
+        "a prompt over max_prompt_len=1024 tokens at line 2",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,line,expected", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+def test_a_bad_row_stops_a_real_run_under_on_bad_row_error(
+    workdir: Path, name: str, line: bytes, expected: str
+) -> None:
+    (workdir / "data.jsonl").write_bytes(b'{"prompt": "1+1", "answer": "2"}\n' + line + b"\n")
+    (workdir / "recipe.yaml").write_text(BASE)
+    before = snapshot(workdir)
+    real = run_areal("train", "recipe.yaml", "dataset.on_bad_row=error", cwd=workdir)
+    assert real.returncode == 2, real.stderr
+    errors = [line for line in real.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], real.stderr
+    assert "data.jsonl has 1 bad row" in errors[0] and "dataset.on_bad_row: skip" in errors[0]
+    assert real.stderr.rstrip().endswith("nothing was started.")
+    assert "Traceback" not in real.stderr and snapshot(workdir) == before

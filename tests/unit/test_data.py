@@ -157,8 +157,8 @@ def test_long_prompts_are_skipped_and_counted() -> None:
     rows = [{"question": "What", "answer": 1}, {"question": "What is is is", "answer": "2"}]
     cfg = config(max_prompt_len=7)  # chat overhead is 6 tokens: one word fits, four do not
     assert format_prompt(make_tokenizer(), rows[1], cfg) is None
-    prompts, skipped = prepare_prompts(make_tokenizer(), rows, cfg)
-    assert skipped == 1
+    prompts, bad = prepare_prompts(make_tokenizer(), rows, cfg)
+    assert bad.kinds == {"a prompt over max_prompt_len=7 tokens": [1]}
     assert [(p.index, p.answer, p.input_ids) for p in prompts] == [(0, "1", [4, 6, 7, 2, 5, 6])]
     assert prompts[0].row == rows[0]
 

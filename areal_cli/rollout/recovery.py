@@ -1,0 +1,65 @@
+"""A restarted inference server rejoins the running rollout loop (launcher.restarts.server).
+
+The launcher restarts the process of a server that died (same command line, port and
+log); this module does the rest on the controller's side:
+
+  `down`  the client routes nothing to it: `generate` calls go to the other servers (or
+          wait for one to come back), the attempts that failed on it are re-issued
+          without counting as retries, and weight updates skip it;
+  `up`    once its new process answers /health, it loads the weights every other server
+          holds (the newest the loop has loaded; the initial model is what it starts
+          with) and reports that version, under the loop's weights lock so that no
+          update is missed meanwhile; only then does it take traffic again.
+
+A re-issued request starts over, so no sample mixes tokens from before and after the
+restart; every token carries the version of the server that produced it anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from areal_cli.rundir import handoff
+
+
+class ServerRecovery:
+    """`down` and `up` of the module docstring for one running loop."""
+
+    def __init__(self, ctx: Any, state: Any, startup_timeout_s: float) -> None:
+        self.ctx, self.state, self.timeout_s = ctx, state, startup_timeout_s
+
+    def down(self, address: str) -> None:
+        self.ctx.inference.set_down(address)
+
+    async def up(self, address: str, check: Callable[[], None]) -> int:
+        """Wait for the new process (`check` raises if it died again), load the current
+        weights and route to it again; returns the version it holds (0: the initial
+        model, -1: none known yet after a resume, which the loop loads on every server)."""
+        from areal_cli.rollout.controller import RunFailed
+
+        client = self.ctx.inference
+        deadline = time.monotonic() + self.timeout_s
+        while not await client.healthy(address):
+            check()
+            if time.monotonic() > deadline:
+                raise RunFailed(f"server {address} not healthy {self.timeout_s:g}s after a restart")
+            await asyncio.sleep(0.2)
+        async with self.state.weights_lock:
+            version = self.state.version
+            if version > 0:
+                entries = handoff.list_entries(self.ctx.run_dir / "weights", "v")
+                entry = next((e for e in entries if e.version == version), None)
+                if entry is None:  # collected already: the newest, which all load next
+                    entry = entries[-1]
+                info = await client.load_weights_on(address, str(entry.path), entry.version)
+                if str(info.get("weight_version")) != str(entry.version):
+                    raise RunFailed(
+                        f"server {address} reports weight version {info.get('weight_version')} "
+                        f"after loading v{entry.version} on its restart"
+                    )
+                version = entry.version
+            client.set_up(address)
+        return version

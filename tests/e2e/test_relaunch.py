@@ -1,0 +1,112 @@
+"""A trainer rank killed mid-run (kill -9): the controller relaunches the trainer from the
+newest recover checkpoint and the run finishes, each step in metrics.jsonl exactly once.
+For SFT, whose data is deterministic, the final weights equal those of a run that was
+never killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from areal_cli.rundir import handoff
+from tests.conftest import REPO
+from tests.e2e.test_sft import _args as _sft_args
+from tests.e2e.test_sft import _rows, _run
+from tests.e2e.test_train import (
+    _args,
+    _assert_no_processes_left,
+    _metrics,
+    _processes_of,
+    _run_dir,
+    _wait_for,
+)
+from tests.gloo.test_trainer import _load_all, _max_diff
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _kill_rank_after_recover(args: list[str], run_dir: Path, rank: int) -> str:
+    """Run `args`, kill -9 trainer rank `rank` as soon as the first recover entry exists
+    (the run has most of its steps left); returns the run's output (it must finish by
+    itself)."""
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    beat = run_dir / "heartbeat" / f"trainer-{rank}.json"
+
+    def ready() -> bool:
+        return beat.exists() and handoff.latest(run_dir / "recover", "step-") is not None
+
+    try:
+        _wait_for(ready, 300, proc)
+        os.kill(json.loads(beat.read_text())["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_sft_relaunched_after_a_rank_dies_ends_with_the_same_weights(tmp_path: Path) -> None:
+    extra = ("recover.freq_steps=2", "allocation_mode=fsdp:d2")
+    run_dir = tmp_path / "tiny-sft" / "trial0"
+    out = _kill_rank_after_recover(_sft_args(tmp_path, 10, *extra), run_dir, rank=1)
+    assert "relaunching the trainer from" in out
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(10))
+    assert rows[-1]["trainer_restarts"] == 1
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    straight = _run(tmp_path / "straight", 10, *extra)
+    final = [_load_all(r / "checkpoints" / "step-9") for r in (run_dir, straight)]
+    assert _max_diff(*final) < 1e-5
+    _assert_no_processes_left(run_dir)
+
+
+def test_rl_relaunched_after_a_rank_dies_does_each_step_once(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    args = _args(tmp_path, 6, "recover.freq_steps=2", "rollout.max_staleness=1")
+    out = _kill_rank_after_recover(args, run_dir, rank=0)
+    assert "relaunching the trainer from" in out
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert rows[-1]["trainer_restarts"] == 1
+    assert rows[-1]["weight_version"] == 6  # the last step's weights reached the servers
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    _assert_no_processes_left(run_dir)
+
+
+def _server_pid(run_dir: Path) -> int:
+    for pid in _processes_of(run_dir):
+        if b"areal_cli.inference.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError("no server process")
+
+
+def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    args = _args(tmp_path, 6, "rollout.max_staleness=1")
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, proc)
+        held = max(e.version for e in handoff.list_entries(run_dir / "weights", "v"))
+        os.kill(_server_pid(run_dir), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "server-0 exited with code -9" in out and "restarting it" in out, out[-4000:]
+    back = [line for line in out.splitlines() if "server-0 restarted; it serves v" in line]
+    assert len(back) == 1, out[-4000:]
+    served = int(back[0].rsplit("v", 1)[1])
+    assert served >= held  # the newest weights the servers held when it died, or newer
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert rows[-1]["server_restarts"] == 1 and "requests_reissued" in rows[-1]
+    _assert_no_processes_left(run_dir)
