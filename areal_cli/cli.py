@@ -114,11 +114,13 @@ def train(
         return
     _check_ports_free(plan.processes, recipe)
     from areal_cli.data.prompts import DatasetError
+    from areal_cli.launch import runs
     from areal_cli.launch.train import run_training
     from areal_cli.metrics.display import make_sink
 
     try:
         code = run_training(loaded, plan, resume, make_sink(loaded.config, Path(plan.run_dir)))
+        runs.end_record(Path(plan.run_dir), code)
     except FileExistsError as exc:
         from areal_cli.config.errors import ConfigProblem
 
@@ -489,6 +491,75 @@ class _EvalProgress:
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+RUN_DIR = typer.Argument(..., help="A run directory: FILEROOT/EXPERIMENT/TRIAL.", metavar="RUN")
+
+
+@app.command()
+def ps(fileroot: Path = typer.Argument(Path("./runs"), help="Where the runs are.")) -> None:
+    """List the runs under FILEROOT: state, progress, last score and age."""
+    from areal_cli.launch import runs
+
+    found = runs.find_runs(fileroot)
+    typer.echo("\n".join(runs.ps_lines(found)) if found else f"no runs under {fileroot}")
+
+
+@app.command()
+def status(run: Path = RUN_DIR) -> None:
+    """One run in detail: state, processes, the last metrics and the trainer's phase."""
+    from areal_cli.launch import runs
+
+    _need_run(run)
+    typer.echo("\n".join(runs.status_lines(run)))
+
+
+@app.command()
+def logs(
+    run: Path = RUN_DIR,
+    name: str = typer.Argument("controller", help="controller, trainer, server-0, ..."),
+    lines: int = typer.Option(40, "-n", "--lines", help="How many last lines to show."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines."),
+) -> None:
+    """Show (or follow) a log of RUN/logs."""
+    import time
+
+    from areal_cli.launch import runs
+
+    _need_run(run)
+    path = run / "logs" / f"{name}.log"
+    if not path.is_file():
+        have = ", ".join(sorted(p.stem for p in (run / "logs").glob("*.log"))) or "none"
+        _die(f"{path}: no such log; this run has: {have}")
+    with open(path, errors="replace") as f:
+        for line in f.readlines()[-lines:]:
+            typer.echo(line, nl=False)
+        while follow:  # until Ctrl-C, or the run has ended and its log is read
+            chunk = f.read()
+            if chunk:
+                typer.echo(chunk, nl=False)
+            elif not runs.view(run).state.startswith("running"):
+                break
+            else:
+                time.sleep(0.5)
+
+
+@app.command()
+def stop(run: Path = RUN_DIR) -> None:
+    """Stop a running run cleanly, as Ctrl-C would (every process of it ends)."""
+    from areal_cli.launch import runs
+
+    _need_run(run)
+    try:
+        typer.echo(f"{run}: {runs.stop(run)}")
+    except RuntimeError as exc:
+        typer.echo(f"error: {run}: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _need_run(run: Path) -> None:
+    if not (run / "config.yaml").is_file():
+        _die(f"{run}: not a run directory (no config.yaml); `areal ps FILEROOT` lists them")
 
 
 def _caches_in_areal_cache() -> None:

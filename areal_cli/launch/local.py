@@ -105,6 +105,10 @@ class LocalRunner:
                 continue
             raise ChildFailed(child, code, log_tail(child.spec.log))
 
+    def pids(self) -> dict[str, int]:
+        """Each child's name and pid."""
+        return {c.spec.name: c.popen.pid for c in self.children}
+
     def get(self, name: str) -> Child:
         return next(c for c in self.children if c.spec.name == name)
 

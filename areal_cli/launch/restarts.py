@@ -72,6 +72,7 @@ class Restarter:
             {"trainer": limits.trainer, "server": limits.server}, limits.window_s
         )
         self.counters = {"trainer_restarts": 0, "server_restarts": 0}
+        self.on_restart: Any = lambda: None  # after each restart (RUN/run.json's pids)
 
     def _allowed(self, failed: ChildFailed, kind: str) -> bool:
         name = failed.child.spec.name
@@ -101,6 +102,7 @@ class Restarter:
                 self.runner.start(child.spec, child.popen.args)
         self.runner.start(failed.child.spec, argv)
         self.counters["trainer_restarts"] += 1
+        self.on_restart()
         return start
 
     async def server(self, failed: ChildFailed, recovery: Any, address: str) -> None:
@@ -124,4 +126,5 @@ class Restarter:
                     raise
                 failed = again  # it died again while starting: another restart
         self.counters["server_restarts"] += 1
+        self.on_restart()
         self.sink.status(f"{name} restarted; it serves v{version}")

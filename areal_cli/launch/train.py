@@ -28,6 +28,7 @@ from typing import Any
 
 from areal_cli.config.loader import LoadedConfig, to_yaml
 from areal_cli.config.schema import SUPERVISED
+from areal_cli.launch import runs
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
 from areal_cli.launch.restarts import Restarter
@@ -184,8 +185,10 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     try:
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
+        runs.start_record(cfg, run_dir, str(loaded.recipe), runner.pids())
         sink.start(cfg, start_step)
         restarter = Restarter(runner, cfg.launcher.restarts, sink)
+        restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
         while True:
             loop = _loop(loaded, run_dir, servers, start_step, sink, prompts, restarter)
             try:

@@ -80,7 +80,7 @@ def test_weights_turned_read_only_stop_the_run_clearly(small_fs: Path) -> None:
     """RUN/weights becomes read-only mid-run (a read-only bind mount over it: Linux will
     not remount a file system with files open for writing)."""
     _remount(small_fs, "size=200m")
-    args = _args(small_fs, 40, "recover.freq_steps=1")
+    args = _args(small_fs, 12, "recover.freq_steps=1")
     run_dir = _run_dir(small_fs)
     weights = run_dir / "weights"
     proc = subprocess.Popen(
@@ -99,7 +99,7 @@ def test_weights_turned_read_only_stop_the_run_clearly(small_fs: Path) -> None:
     assert f"run stopped: {weights} is on a read-only file system" in flat, flat
     assert "Traceback" not in err
     _assert_no_processes_left(run_dir)
-    _resume_finishes(args, run_dir, 40)
+    _resume_finishes(args, run_dir, 12)
     _no_unfinished_entries(run_dir)  # what could not be deleted while read-only is gone now
 
 

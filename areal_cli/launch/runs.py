@@ -1,0 +1,218 @@
+"""The run lifecycle record (RUN/run.json) and what `areal ps / status / logs / stop` read.
+
+`areal train` writes RUN/run.json atomically when the run's processes have started, again
+whenever one is restarted, and once more when it ends:
+
+  experiment, trial, launcher, job_id   (job_id: none for the local launcher)
+  host, controller_pid, children        (process name -> pid)
+  recipe, total_steps, started
+  state                                 running | finished | failed | stopped
+  ended, exit_code                      (once it ended)
+
+A run whose record says running but whose controller is gone (killed with -9, or the
+machine rebooted) is shown as `dead`, with `--resume` when it has a recover entry. A
+controller on another host cannot be checked from here; it is shown as `running?`.
+Only the standard library is imported here: these commands must start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RUN_FILE = "run.json"
+END_STATES = {0: "finished", 130: "stopped"}  # any other exit code: failed
+
+
+def write_record(run_dir: Path, record: dict[str, Any]) -> None:
+    """Write RUN/run.json atomically (temp file, then rename)."""
+    path = run_dir / RUN_FILE
+    tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def start_record(cfg: Any, run_dir: Path, recipe: str, children: dict[str, int]) -> None:
+    record = {
+        "experiment": cfg.experiment_name,
+        "trial": cfg.trial_name,
+        "launcher": cfg.launcher.type,
+        "job_id": None,
+        "host": socket.gethostname(),
+        "controller_pid": os.getpid(),
+        "children": children,
+        "recipe": recipe,
+        "total_steps": cfg.total_train_steps,
+        "started": time.time(),
+        "state": "running",
+    }
+    write_record(run_dir, record)
+
+
+def update_children(run_dir: Path, children: dict[str, int]) -> None:
+    """After a restart: the processes' new pids."""
+    record = read_record(run_dir)
+    if record is not None:
+        record["children"] = children
+        write_record(run_dir, record)
+
+
+def end_record(run_dir: Path, exit_code: int) -> None:
+    """The run ended with `exit_code` (no record: it never started a process)."""
+    record = read_record(run_dir)
+    if record is None or record.get("controller_pid") != os.getpid():
+        return
+    record.update(state=END_STATES.get(exit_code, "failed"), ended=time.time(), exit_code=exit_code)
+    try:
+        write_record(run_dir, record)
+    except OSError:
+        pass  # a full or read-only disk: the record keeps saying running; ps shows it dead
+
+
+def read_record(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie, or a reused pid, is not our controller
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _metrics_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _has_recover(run_dir: Path) -> bool:
+    recover = run_dir / "recover"
+    return recover.is_dir() and any(p.name.startswith("step-") for p in recover.iterdir())
+
+
+@dataclass
+class RunView:
+    """One run as `ps` and `status` show it."""
+
+    run_dir: Path
+    record: dict
+    state: str
+    step: int  # steps in metrics.jsonl
+    total: int
+    last: dict  # the last metrics line
+    age_s: float  # since the last metrics line (or the start)
+
+    @property
+    def score(self) -> str:
+        if "reward_mean" in self.last:
+            return f"reward {self.last['reward_mean']:.3f}"
+        if "loss" in self.last:
+            return f"loss {self.last['loss']:.4f}"
+        return "-"
+
+
+def view(run_dir: Path) -> RunView:
+    """The run's state (see the module docstring), progress and last metrics."""
+    record = read_record(run_dir) or {}
+    state = record.get("state", "unknown")
+    if state == "running":
+        if record.get("host") != socket.gethostname():
+            state = f"running? (on {record.get('host')})"
+        elif not _alive(int(record.get("controller_pid", 0)) or -1):
+            state = "dead: areal train --resume" if _has_recover(run_dir) else "dead"
+    rows = _metrics_lines(run_dir)
+    last = rows[-1] if rows else {}
+    since = float(last.get("time") or record.get("started") or time.time())
+    total = int(record.get("total_steps") or 0)
+    return RunView(run_dir, record, state, len(rows), total, last, time.time() - since)
+
+
+def find_runs(fileroot: Path) -> list[Path]:
+    """Run directories under FILEROOT (FILEROOT/EXPERIMENT/TRIAL holding config.yaml)."""
+    if (fileroot / "config.yaml").is_file():
+        return [fileroot]
+    return sorted(p.parent for p in fileroot.glob("*/*/config.yaml"))
+
+
+def age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def stop(run_dir: Path, timeout_s: float = 60.0) -> str:
+    """Stop a running run as Ctrl-C does (SIGTERM to its controller, which stops every
+    process) and wait for it; returns what happened, in words."""
+    current = view(run_dir)
+    record = current.record
+    if not current.state.startswith("running"):
+        return f"not running ({current.state}); nothing to stop"
+    if current.state != "running":
+        raise RuntimeError(f"its controller runs on {record.get('host')}; stop it there")
+    pid = int(record["controller_pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"controller {pid} still running {timeout_s:g}s after SIGTERM")
+        time.sleep(0.2)
+    return f"stopped (controller {pid} and every process of the run)"
+
+
+def ps_lines(run_dirs: list[Path]) -> list[str]:
+    """`areal ps`: a header and one aligned line per run."""
+    rows = [("EXPERIMENT", "TRIAL", "LAUNCHER", "JOB", "STATE", "STEP", "LAST", "AGE")]
+    for run_dir in run_dirs:
+        v = view(run_dir)
+        step = f"{v.step}/{v.total}" if v.total else str(v.step)
+        job, launcher = str(v.record.get("job_id") or "-"), str(v.record.get("launcher", "-"))
+        rows.append((*run_dir.parts[-2:], launcher, job, v.state, step, v.score, age(v.age_s)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def status_lines(run_dir: Path) -> list[str]:
+    """`areal status`: state and progress, each process, each heartbeat's phase, and the
+    last metrics line."""
+    v = view(run_dir)
+    out = [f"{run_dir}: {v.state}, step {v.step}/{v.total or '?'}, {v.score}"]
+    for name, pid in (v.record.get("children") or {}).items():
+        alive = v.state == "running" and _alive(pid)
+        out.append(f"  {name:<10} pid {pid:<8} {'running' if alive else 'gone'}")
+    for beat in sorted((run_dir / "heartbeat").glob("*.json")):
+        try:
+            phase = json.loads(beat.read_text())["phase"]
+        except (OSError, ValueError, KeyError):
+            continue
+        out.append(f"  {beat.stem:<10} phase: {phase}")
+    if v.last:
+        shown = {k: x for k, x in v.last.items() if not k.endswith("_s") and k != "time"}
+        out.append("  last metrics: " + json.dumps(shown))
+    return out
