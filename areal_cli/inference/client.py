@@ -80,6 +80,11 @@ class _Server:
     epoch: int = 0  # how many times it was taken down
 
 
+def _accepted(answer: Any) -> bool:
+    """Whether a server's answer to /update_weights_from_disk says it loaded them."""
+    return isinstance(answer, dict) and bool(answer.get("success"))
+
+
 def _reason(exc: BaseException, timeout_s: float) -> str:
     """A short human description of a transport failure."""
     if isinstance(exc, asyncio.TimeoutError):
@@ -182,7 +187,7 @@ class InferenceClient:
         refused = [
             f"{server.address}: {_error_message(answer)}"
             for server, answer in pairs
-            if not (isinstance(answer, dict) and answer.get("success"))
+            if not _accepted(answer)
         ]
         if refused:
             raise WeightUpdateFailed(
@@ -199,7 +204,7 @@ class InferenceClient:
         server = self._server(address)
         body = {"model_path": str(model_path), "weight_version": str(weight_version)}
         answer = await self._call_on(server, "/update_weights_from_disk", body, accept_4xx=True)
-        if not (isinstance(answer, dict) and answer.get("success")):
+        if not _accepted(answer):
             raise WeightUpdateFailed(
                 f"server {address} refused weights from {model_path}: {_error_message(answer)}"
             )
@@ -314,7 +319,7 @@ class InferenceClient:
                 server.inflight -= 1
             if attempt < self.retries:
                 await self._backoff(attempt)
-            if server.down or server.epoch != epoch:  # it died: re-issue, not a retry
+            if server.epoch != epoch:  # it died (set_down): re-issue, not a retry
                 self.reissued += 1
                 continue
             tried[server.address] = reason

@@ -53,11 +53,11 @@ def ensure_model(loaded: LoadedConfig, run_dir: Path) -> Path:
     return path
 
 
-def read_data(cfg: Any, warn: Callable[[str], None]) -> list | None:
-    """The rollout's prompts (None for a supervised role, whose trainer reads its data),
-    with every bad row settled by on_bad_row: skipped with a warning, or DatasetError.
-    A supervised role's files are checked line by line here too (its trainer checks the
-    columns)."""
+def read_data(cfg: Any, warn: Callable[[str], None]) -> tuple[list, Any] | None:
+    """The rollout's prompts and the tokenizer that made them (None for a supervised role,
+    whose trainer reads its data), with every bad row settled by on_bad_row: skipped with
+    a warning, or DatasetError. A supervised role's files are checked line by line here
+    too (its trainer checks the columns)."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
@@ -78,7 +78,7 @@ def read_data(cfg: Any, warn: Callable[[str], None]) -> list | None:
     else:
         source = cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)
-    return load_dataset_prompts(tokenizer, cfg.dataset, warn)
+    return load_dataset_prompts(tokenizer, cfg.dataset, warn), tokenizer
 
 
 def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:
@@ -89,7 +89,7 @@ def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:
     return argv
 
 
-def _loop(loaded, run_dir, servers, start_step, sink, prompts, restarter: Restarter):
+def _loop(loaded, run_dir, servers, start_step, sink, data, restarter: Restarter):
     """The controller's loop from `start_step`: the rollout loop, or for a supervised role
     the follower of the trainer's lines."""
     cfg = loaded.config
@@ -118,7 +118,7 @@ def _loop(loaded, run_dir, servers, start_step, sink, prompts, restarter: Restar
         servers,
         start_step,
         sink,
-        prompts,
+        *data,
         check_children=lambda: runner.check(allow_exit={"trainer"}),
         until_trainer_done=lambda recovery: _trainer_done(runner, recovery, restart_server),
         guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
@@ -156,7 +156,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     if cfg.model.path.startswith("builtin:"):
         sink.status(f"preparing {cfg.model.path} (built and cached on first use)")
     warnings: list[str] = []
-    prompts = read_data(cfg, warnings.append)
+    data = read_data(cfg, warnings.append)
     start_step = prepare_run_dir(
         run_dir, plan.dirs, to_yaml(cfg), plan.to_dict(secret=cfg.inference.api_key), resume
     )
@@ -190,7 +190,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         restarter = Restarter(runner, cfg.launcher.restarts, sink)
         restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
         while True:
-            loop = _loop(loaded, run_dir, servers, start_step, sink, prompts, restarter)
+            loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter)
             try:
                 asyncio.run(loop)
                 break

@@ -41,7 +41,6 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.workflows import EpisodeClient, Trajectory, Workflow, resolve_workflow
 from areal_cli.rundir import handoff
-from areal_cli.rundir.layout import initial_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -314,11 +313,11 @@ async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.
                         if entry.path.exists():
                             raise
                         continue  # the trainer replaced and collected it: load the newer one
+                    if not answers:  # every server went down meanwhile: their restarts load it
+                        continue
                     if not all("weight_version" in answer for answer in answers):
                         answers = await ctx.inference.model_info()  # SGLang does not say
                     reported = {str(answer.get("weight_version")) for answer in answers}
-                    if not answers:  # every server went down meanwhile: their restarts load it
-                        continue
                     if reported != {str(entry.version)}:
                         raise RunFailed(
                             f"servers report weight versions {sorted(reported)} after loading v{entry.version}"
@@ -438,6 +437,7 @@ async def run_loop(
     start_step: int,
     sink: StepSink,
     prompts: list[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
     *,
     check_children: Callable[[], None],
     until_trainer_done: Callable[[ServerRecovery], Awaitable[None]],
@@ -468,7 +468,6 @@ async def run_loop(
         await client.wait_healthy(
             cfg.launcher.startup_timeout_s, on_poll=lambda _: check_children()
         )
-        tokenizer = load_tokenizer(cfg, run_dir)
         stream = PromptStream.from_config(prompts, cfg.dataset)
         _restore_stream(stream, run_dir, start_step)
         workflow = resolve_workflow(
@@ -515,14 +514,6 @@ async def _drain_metrics(
     deadline = time.monotonic() + timeout_s
     while len(steps_in(ctx.run_dir / "metrics.jsonl")) < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-
-
-def load_tokenizer(cfg: ExperimentConfig, run_dir: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        cfg.model.tokenizer_path or initial_model_path(cfg, run_dir)
-    )
 
 
 def _restore_stream(stream: PromptStream[Prompt], run_dir: Path, start_step: int) -> None:
