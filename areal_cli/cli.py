@@ -7,6 +7,7 @@ them, never at module level, so `areal --help` stays fast.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -95,39 +96,49 @@ def train(
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in RUN/ from its newest recover checkpoint."
     ),
+    in_allocation: bool = typer.Option(False, "--in-allocation", hidden=True),
 ) -> None:
     """Train with asynchronous RL as the recipe says."""
-    from areal_cli.launch.plan import build_plan
+    from areal_cli.launch.plan import build_plan, ensure_server_key
 
     loaded, result = _load_and_check(recipe, overrides, "train", launch=not dry_run)
+    if not dry_run:
+        ensure_server_key(loaded.config)
     plan = build_plan(loaded.config, result.allocation)
-    secret = loaded.config.inference.api_key
+    submit = plan.launcher == "slurm" and not in_allocation
     if dry_run:
-        if json_out:
-            typer.echo(plan.to_json(secret=secret))
-        else:
-            from rich.console import Console
+        from areal_cli.launch.display import print_dry_run
 
-            from areal_cli.launch.display import print_plan
-
-            print_plan(plan, Console(), secret=secret, trainer=_trainer_layout(loaded, result))
+        layout = None if json_out else _trainer_layout(loaded, result)
+        print_dry_run(loaded, plan, recipe, overrides, resume, json_out, layout)
         return
-    _check_ports_free(plan.processes, recipe)
+    from areal_cli.config.errors import ConfigProblem
+
+    if plan.launcher == "local":
+        _check_ports_free(plan.processes, recipe)
+    elif submit and shutil.which("sbatch") is None:
+        fix = (
+            "run areal train where Slurm's commands are (a login node), or use launcher.type=local"
+        )
+        _fail(
+            [ConfigProblem("launcher.type", "slurm needs sbatch, not on PATH", fix)], f"in {recipe}"
+        )
     from areal_cli.data.prompts import DatasetError
     from areal_cli.launch import runs
     from areal_cli.launch.train import run_training
     from areal_cli.metrics.display import make_sink
 
     try:
+        if submit:
+            from areal_cli.launch.slurm import submit_run
+
+            warn = lambda line: typer.echo(f"warning: {line}", err=True)  # noqa: E731
+            raise typer.Exit(submit_run(loaded, plan, recipe, overrides, resume, typer.echo, warn))
         code = run_training(loaded, plan, resume, make_sink(loaded.config, Path(plan.run_dir)))
         runs.end_record(Path(plan.run_dir), code)
     except FileExistsError as exc:
-        from areal_cli.config.errors import ConfigProblem
-
         _fail([ConfigProblem("trial_name", str(exc))], f"in {recipe}")
     except DatasetError as exc:  # raised before any process started
-        from areal_cli.config.errors import ConfigProblem
-
         _fail([ConfigProblem("dataset", str(exc))], f"in {recipe}")
     raise typer.Exit(code)
 
@@ -528,6 +539,8 @@ def logs(
 
     _need_run(run)
     path = run / "logs" / f"{name}.log"
+    while follow and not path.is_file() and runs.view(run).state == "pending":
+        time.sleep(0.5)  # a Slurm job that has not started yet
     if not path.is_file():
         have = ", ".join(sorted(p.stem for p in (run / "logs").glob("*.log"))) or "none"
         _die(f"{path}: no such log; this run has: {have}")
@@ -538,7 +551,7 @@ def logs(
             chunk = f.read()
             if chunk:
                 typer.echo(chunk, nl=False)
-            elif not runs.view(run).state.startswith("running"):
+            elif not runs.is_active(runs.view(run).state):
                 break
             else:
                 time.sleep(0.5)

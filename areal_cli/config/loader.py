@@ -55,6 +55,9 @@ class LoadedConfig:
         while parts:
             if parts in self.locations:
                 return self.locations[parts]
+            if "[" in parts[-1]:  # an item of a list: the list's line
+                parts = parts[:-1] + (parts[-1].split("[", 1)[0],)
+                continue
             parts = parts[:-1]
         return None
 

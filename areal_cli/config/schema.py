@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_cli.config.fields import field, sub
+from areal_cli.config.launcher_sections import LauncherConfig
 from areal_cli.config.role_sections import CriticConfig, RMConfig, SFTConfig
 
 
@@ -90,72 +91,6 @@ class ClusterSpecConfig:
         "CPU cores to split between processes on a CPU-only machine; 0 means all cores seen at launch.",
         ge=0,
     )
-
-
-@dataclass
-class WatchdogConfig:
-    """The controller's progress watchdog: a run that stops making progress ends with a named error."""
-
-    timeout_s: float | None = field(
-        None,
-        "Seconds without a finished trainer step (and without progress of the stuck side) before the run is stopped; null derives it from recent step times.",
-        gt=0,
-    )
-    min_timeout_s: float = field(
-        120.0,
-        "Floor of the derived limit (it also covers rare slow phases such as checkpoints).",
-        gt=0,
-    )
-    step_time_factor: float = field(
-        10.0, "The derived limit is this many times the slowest of the last 10 steps.", gt=1
-    )
-
-
-@dataclass
-class RestartsConfig:
-    """Relaunching what died instead of stopping the run; past a limit the run stops."""
-
-    trainer: int = field(
-        2,
-        "Times the trainer (every rank) is relaunched from the newest recover checkpoint after any rank dies, within window_s; 0: a dead rank stops the run.",
-        ge=0,
-    )
-    server: int = field(
-        3,
-        "Times each inference server is restarted after it dies, within window_s (it loads the current weights before it takes requests again); 0: a dead server stops the run.",
-        ge=0,
-    )
-    window_s: float = field(
-        3600.0, "Restarts older than this many seconds no longer count against the limits.", gt=0
-    )
-
-
-@dataclass
-class LauncherConfig:
-    """How processes are started."""
-
-    type: str = field(
-        "local",
-        "Launcher: local (subprocesses on this machine). slurm and ray are planned.",
-        choices=("local", "slurm", "ray"),
-    )
-    trainer_port: int = field(
-        29500, "Rendezvous port of the torchrun trainer (c10d).", ge=1024, le=65535
-    )
-    inference_base_port: int = field(
-        30000,
-        "Port of the first inference server; server i listens on base + i.",
-        ge=1024,
-        le=65535,
-    )
-    startup_timeout_s: float = field(
-        300.0, "Overall time allowed for every server to become healthy before the run fails.", gt=0
-    )
-    env: dict[str, str] = field(
-        factory=dict, doc="Extra environment variables given to every child process."
-    )
-    watchdog: WatchdogConfig = sub(WatchdogConfig)
-    restarts: RestartsConfig = sub(RestartsConfig)
 
 
 @dataclass

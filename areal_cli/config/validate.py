@@ -17,6 +17,7 @@ from pathlib import Path
 
 from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
 from areal_cli.config.errors import ConfigErrors, ConfigProblem
+from areal_cli.config.launcher_rules import check_nodes, check_slurm
 from areal_cli.config.loader import LoadedConfig, is_hub_id
 from areal_cli.config.model_info import (
     cached_snapshot,
@@ -127,6 +128,7 @@ def check_config(
             check_critic(c, mode, launch)
     if launch and command in ("train", "eval"):
         _check_fileroot(c)
+    check_slurm(c)
     _check_planned(c)
     return c.result
 
@@ -240,8 +242,10 @@ def _check_devices(c: _Checker, mode: AllocationMode) -> None:
         c.error(
             "cluster.n_nodes",
             f"the local launcher runs on one node, but the cluster declares {cluster.n_nodes}",
-            "set cluster.n_nodes: 1 (slurm and ray launchers are planned)",
+            "set cluster.n_nodes: 1, or use launcher.type: slurm or ray",
         )
+    if cluster.n_nodes > 1 and mode.train is not None:
+        check_nodes(c, mode)
     n_gpus = cluster.n_nodes * cluster.n_gpus_per_node
     inference_gpus = mode.inference.world_size if mode.inference else 0
     train_gpus = mode.train.world_size if mode.train else 0
@@ -252,11 +256,12 @@ def _check_devices(c: _Checker, mode: AllocationMode) -> None:
                 f"{mode.inference_backend} needs GPUs, but the cluster declares none (cluster.n_gpus_per_node: 0)",
                 "use embedded:dN on a CPU machine, or declare the cluster's GPUs",
             )
-        needed = mode.n_servers + (1 if mode.train else 0)
+        per_node = -(-mode.n_servers // cluster.n_nodes)  # servers spread over the nodes
+        needed = per_node + (1 if mode.train else 0)
         if cluster.n_cpus and cluster.n_cpus < needed:
             c.error(
                 "cluster.n_cpus",
-                f"the allocation needs at least {needed} CPU cores (one per inference server and one for the trainer), but the cluster declares {cluster.n_cpus}",
+                f"the allocation needs at least {needed} CPU cores per node (one per inference server and one for the trainer), but the cluster declares {cluster.n_cpus}",
                 "use fewer servers or declare more cores",
             )
         if c.cfg.actor.fsdp.offload_params:
@@ -556,12 +561,6 @@ def _check_eval(c: _Checker) -> None:
 
 
 def _check_planned(c: _Checker) -> None:
-    if c.valid("launcher.type") and c.cfg.launcher.type != "local":
-        c.error(
-            "launcher.type",
-            f"the {c.cfg.launcher.type} launcher is planned but not available in this version",
-            "use launcher.type: local",
-        )
     if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.method != "disk":
         c.error(
             "actor.weight_update.method",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -24,6 +28,10 @@ def print_plan(
     for column in ("process", "role", "devices", "ports", "log"):
         table.add_column(column, overflow="fold")
     controller = "this process (areal train)"
+    if plan.launcher == "slurm":
+        controller = "the Slurm job's batch step (node 0); each process below is a job step"
+    elif plan.launcher == "ray":
+        controller += "; each process below runs in a Ray actor of one placement group"
     if plan.algorithm == "ppo":
         console.print(
             "algorithm ppo: the critic (a value model) trains on the trainer's ranks, beside the actor"
@@ -35,7 +43,12 @@ def print_plan(
         controller += ", follows the trainer"
     table.add_row("controller", controller, "-", "-", f"{plan.run_dir}/logs/controller.log")
     for proc in plan.processes:
-        table.add_row(proc.name, proc.role, proc.devices, ",".join(map(str, proc.ports)), proc.log)
+        devices = proc.devices
+        if plan.launcher == "slurm":  # which of the job's nodes (0 is the controller's)
+            devices = f"node {','.join(map(str, proc.nodes))}: {devices}"
+        elif plan.launcher == "ray":  # Ray picks the node of each bundle
+            devices = f"ray bundle {plan.processes.index(proc)}: {devices}"
+        table.add_row(proc.name, proc.role, devices, ",".join(map(str, proc.ports)), proc.log)
     console.print(table)
     for proc in plan.processes:
         argv = [REDACTED if secret and a == secret else a for a in proc.argv]
@@ -50,3 +63,35 @@ def print_plan(
     console.print("[bold]Directories[/bold] (created by a real run, not by --dry-run):")
     for directory in plan.dirs:
         console.print(f"  {directory}", markup=False, highlight=False)
+
+
+def print_dry_run(
+    loaded: Any,
+    plan: LaunchPlan,
+    recipe: Path,
+    overrides: list[str],
+    resume: bool,
+    json_out: bool,
+    trainer: list[str] | None,
+) -> None:
+    """`areal train --dry-run`: the plan (a table, or JSON), and under Slurm the batch
+    script that would be submitted. Nothing is written or submitted."""
+    secret = loaded.config.inference.api_key
+    script = None
+    if plan.launcher == "slurm":
+        from areal_cli.launch.slurm import job_command, render_sbatch
+
+        command = job_command(recipe, overrides, resume)
+        script = render_sbatch(loaded.config, plan, command, os.getcwd())
+    if json_out:
+        data = plan.to_dict(secret=secret)
+        if script is not None:
+            data["sbatch_script"] = script
+        print(json.dumps(data, indent=2))
+        return
+    console = Console()
+    print_plan(plan, console, secret=secret, trainer=trainer)
+    if script is not None:
+        job = Path(plan.run_dir) / "slurm" / "job.sbatch"
+        console.print(f"[bold]Slurm batch script[/bold] (written to {job} and given to sbatch):")
+        console.print(script, markup=False, highlight=False, soft_wrap=True)

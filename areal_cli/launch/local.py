@@ -36,10 +36,12 @@ LOG_TAIL_LINES = 20
 
 @dataclass
 class Child:
-    """A started process and the spec it came from."""
+    """A started process, the spec it came from and the command line it was started
+    with (before a cluster runner wrapped it: what a restart starts again)."""
 
     spec: ProcessSpec
     popen: subprocess.Popen
+    argv: list[str] = field(default_factory=list)
 
 
 class ChildFailed(RuntimeError):
@@ -48,6 +50,11 @@ class ChildFailed(RuntimeError):
     def __init__(self, child: Child, returncode: int, tail: str):
         self.child, self.returncode, self.tail = child, returncode, tail
         super().__init__(f"{child.spec.name} exited with code {returncode}; log: {child.spec.log}")
+
+
+class ProcessCancelled(Exception):
+    """A cluster ended one of the run's processes on purpose (Slurm: scancel of a step):
+    the run stops as on Ctrl-C instead of restarting it."""
 
 
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -65,8 +72,14 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
 class LocalRunner:
     """Start, watch and stop a set of processes."""
 
+    pin_cpus = True  # set each child's CPU affinity from its spec
+
     def __init__(self) -> None:
         self.children: list[Child] = []
+
+    def command(self, spec: ProcessSpec, argv: list[str]) -> list[str]:
+        """The command line that starts `spec` (a cluster runner wraps it in a job step)."""
+        return argv
 
     def start(self, spec: ProcessSpec, argv: list[str] | None = None) -> Child:
         """Start one process (argv overrides the spec's, e.g. to restore a secret)."""
@@ -78,7 +91,7 @@ class LocalRunner:
         on_main = threading.current_thread() is threading.main_thread()
         with open(spec.log, "ab") as log:
             popen = subprocess.Popen(
-                argv or spec.argv,
+                self.command(spec, argv or spec.argv),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -86,12 +99,12 @@ class LocalRunner:
                 start_new_session=True,  # its own process group, and no terminal Ctrl-C
                 preexec_fn=die_with_parent if on_main else None,
             )
-        if spec.cpus and hasattr(os, "sched_setaffinity"):
+        if self.pin_cpus and spec.cpus and hasattr(os, "sched_setaffinity"):
             try:
                 os.sched_setaffinity(popen.pid, spec.cpus)
             except OSError:
                 pass  # fewer cores than planned (a dry-run plan on another machine); run unpinned
-        child = Child(spec, popen)
+        child = Child(spec, popen, list(argv or spec.argv))
         self.children.append(child)
         return child
 

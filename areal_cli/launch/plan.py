@@ -5,6 +5,13 @@
 arguments, so the same config always gives the same plan, and tests compare plans
 directly. Runners (local now; slurm and ray later) only execute a plan.
 
+Nodes: the local launcher has one; under Ray, Ray places each process (the trainer's
+ranks packed on one node). Under Slurm (several nodes), server i runs on one node
+(on GPUs, the node of its first GPU; on CPUs, node i mod n_nodes) and the trainer spans
+the nodes its ranks need, with the same number of ranks on each; torchrun's rendezvous
+host is HEAD_NODE, which the Slurm runner replaces with the first node's address, and
+servers listen on every interface (the controller finds them through RUN/registry/).
+
 Devices: on a GPU cluster, inference servers get the first GPUs and the trainer the next
 ones, disjoint, through CUDA_VISIBLE_DEVICES. On a CPU cluster, cores are split in two
 halves (inference side first, at least one core each side) and pinned with CPU affinity;
@@ -26,6 +33,27 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.inference.argv import embedded_args, server_env, sglang_args
 from areal_cli.rundir.layout import RUN_SUBDIRS, initial_model_path, run_dir_of
 
+# The trainer's rendezvous host in a plan for several machines; the runner that knows the
+# job's nodes replaces it with the first one's address.
+HEAD_NODE = "{head_node}"
+
+
+def on_loopback(cfg: ExperimentConfig) -> bool:
+    """Every process runs on this machine: the local launcher, or a local Ray that areal
+    starts. Servers then listen on 127.0.0.1; otherwise on every interface."""
+    return cfg.launcher.type == "local" or (
+        cfg.launcher.type == "ray" and not cfg.launcher.ray.address
+    )
+
+
+def ensure_server_key(cfg: ExperimentConfig) -> None:
+    """Servers that listen on every interface need an API key: a Ray cluster run without
+    one gets a random key for this run (Slurm's comes from the submit side)."""
+    if cfg.launcher.type == "ray" and not on_loopback(cfg) and not cfg.inference.api_key:
+        import secrets
+
+        cfg.inference.api_key = secrets.token_urlsafe(24)
+
 
 @dataclass
 class ProcessSpec:
@@ -39,6 +67,7 @@ class ProcessSpec:
     gpus: list[int] = field(default_factory=list)
     cpus: list[int] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=lambda: [0])  # indices into the job's nodes
 
     @property
     def devices(self) -> str:
@@ -61,6 +90,8 @@ class LaunchPlan:
     files: list[str]
     processes: list[ProcessSpec]
     algorithm: str = "grpo"
+    launcher: str = "local"
+    n_nodes: int = 1
 
     def to_dict(self, *, secret: str = "") -> dict:
         """A JSON-ready dict; `secret` (an API key) is replaced by <redacted>."""
@@ -105,6 +136,9 @@ def build_plan(
         processes.append(
             _trainer_process(cfg, mode, trainer_devices, run_dir, python, base_env, device_type)
         )
+    gpn = cfg.cluster.n_gpus_per_node
+    for proc in processes:
+        proc.nodes, proc.gpus = _place(proc, _planned_nodes(cfg), gpn)
     return LaunchPlan(
         experiment_name=cfg.experiment_name,
         trial_name=cfg.trial_name,
@@ -118,7 +152,30 @@ def build_plan(
         ],
         processes=processes,
         algorithm=cfg.algorithm,
+        launcher=cfg.launcher.type,
+        n_nodes=cfg.cluster.n_nodes,
     )
+
+
+def _planned_nodes(cfg: ExperimentConfig) -> int:
+    """Nodes the plan places processes on itself: Slurm's; under Ray, Ray places them (one
+    placement-group bundle per process), so the plan has one."""
+    return cfg.cluster.n_nodes if cfg.launcher.type == "slurm" else 1
+
+
+def _place(proc: ProcessSpec, n_nodes: int, gpn: int) -> tuple[list[int], list[int]]:
+    """The nodes a process runs on and its GPU ids on them (the plan numbers GPUs across
+    the cluster: GPU g is GPU g mod gpn of node g div gpn)."""
+    if n_nodes == 1:
+        return [0], proc.gpus
+    if proc.gpus:
+        nodes = sorted({g // gpn for g in proc.gpus})
+        local = sorted({g % gpn for g in proc.gpus})
+        proc.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, local))
+        return nodes, local
+    if proc.name == "trainer":
+        return list(range(n_nodes)), []
+    return [int(proc.name.rsplit("-", 1)[1]) % n_nodes], []
 
 
 def _assign_devices(
@@ -170,14 +227,20 @@ def _server_process(
 ) -> ProcessSpec:
     port = cfg.launcher.inference_base_port + index
     model = initial_model_path(cfg, run_dir)
+    host = "127.0.0.1" if on_loopback(cfg) else "0.0.0.0"
     if mode.inference_backend == "sglang":
-        argv = [python, "-m", "sglang.launch_server", *sglang_args(cfg, mode, model, port, index)]
+        argv = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            *sglang_args(cfg, mode, model, port, index, host=host),
+        ]
     else:
         argv = [
             python,
             "-m",
             "areal_cli.inference.server",
-            *embedded_args(cfg, model, port, index, device_type),
+            *embedded_args(cfg, model, port, index, device_type, host=host),
             # read each new weights/vN ahead, while the controller gets to its update call
             *("--watch-weights", str(run_dir / "weights")),
         ]
@@ -216,16 +279,20 @@ def _trainer_process(
     nproc = mode.train.world_size
     port = cfg.launcher.trainer_port
     torchrun = str(Path(python).parent / "torchrun")
+    gpn, n_nodes = cfg.cluster.n_gpus_per_node, _planned_nodes(cfg)
+    nnodes = len({g // gpn for g in devices}) if device_type == "cuda" else n_nodes
+    nnodes = 1 if cfg.launcher.type == "ray" else nnodes  # Ray packs the ranks on one node
+    head = "127.0.0.1" if cfg.launcher.type == "local" else HEAD_NODE
     argv = [
         torchrun,
         "--nnodes",
-        "1",
+        str(nnodes),
         "--nproc-per-node",
-        str(nproc),
+        str(nproc // nnodes),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        f"{head}:{port}",
         # torchrun's own per-attempt folders go into the run, not into a /tmp/torchelastic_*
         # that nobody removes
         "--log-dir",

@@ -99,7 +99,7 @@ class Restarter:
         if entry is None:
             for child in [c for c in self.runner.children if c.spec.role.startswith("inference")]:
                 self.runner.stop(child)
-                self.runner.start(child.spec, child.popen.args)
+                self.runner.start(child.spec, child.argv)
         self.runner.start(failed.child.spec, argv)
         self.counters["trainer_restarts"] += 1
         self.on_restart()
@@ -115,7 +115,7 @@ class Restarter:
                 raise failed
             self.sink.warn(f"{failed}; restarting it")
             self.runner.stop(failed.child)
-            child = self.runner.start(failed.child.spec, failed.child.popen.args)
+            child = self.runner.start(failed.child.spec, failed.child.argv)
             try:
                 version = await recovery.up(
                     address, check=lambda: self.runner.check(allow_exit={"trainer"})

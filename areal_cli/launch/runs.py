@@ -3,15 +3,18 @@
 `areal train` writes RUN/run.json atomically when the run's processes have started, again
 whenever one is restarted, and once more when it ends:
 
-  experiment, trial, launcher, job_id   (job_id: none for the local launcher)
-  host, controller_pid, children        (process name -> pid)
+  experiment, trial, launcher, job_id   (job_id: the Slurm job; none for the local launcher)
+  host, controller_pid, children        (process name -> pid; under Slurm, the srun clients)
   recipe, total_steps, started
-  state                                 running | finished | failed | stopped
+  state                                 pending | running | finished | failed | stopped
   ended, exit_code                      (once it ended)
 
-A run whose record says running but whose controller is gone (killed with -9, or the
-machine rebooted) is shown as `dead`, with `--resume` when it has a recover entry. A
-controller on another host cannot be checked from here; it is shown as `running?`.
+A Slurm run is first recorded as pending when its job is submitted; its controller then
+writes the rest from inside the job. A run whose record says running but whose controller
+is gone (killed with -9, or the machine rebooted) is shown as `dead`, with `--resume` when
+it has a recover entry. A local controller is checked by its pid; a Slurm run by its job
+(`squeue`), from any host that sees the cluster. A local controller on another host
+cannot be checked from here; it is shown as `running?`.
 Only the standard library is imported here: these commands must start fast.
 """
 
@@ -43,7 +46,7 @@ def start_record(cfg: Any, run_dir: Path, recipe: str, children: dict[str, int])
         "experiment": cfg.experiment_name,
         "trial": cfg.trial_name,
         "launcher": cfg.launcher.type,
-        "job_id": None,
+        "job_id": os.environ.get("SLURM_JOB_ID") if cfg.launcher.type == "slurm" else None,
         "host": socket.gethostname(),
         "controller_pid": os.getpid(),
         "children": children,
@@ -51,6 +54,24 @@ def start_record(cfg: Any, run_dir: Path, recipe: str, children: dict[str, int])
         "total_steps": cfg.total_train_steps,
         "started": time.time(),
         "state": "running",
+    }
+    write_record(run_dir, record)
+
+
+def submitted_record(cfg: Any, run_dir: Path, recipe: str, job_id: str) -> None:
+    """A Slurm job was submitted for the run; its controller has not started yet."""
+    record = {
+        "experiment": cfg.experiment_name,
+        "trial": cfg.trial_name,
+        "launcher": "slurm",
+        "job_id": job_id,
+        "host": socket.gethostname(),
+        "controller_pid": None,
+        "children": {},
+        "recipe": recipe,
+        "total_steps": cfg.total_train_steps,
+        "started": time.time(),
+        "state": "pending",
     }
     write_record(run_dir, record)
 
@@ -141,7 +162,9 @@ def view(run_dir: Path) -> RunView:
     """The run's state (see the module docstring), progress and last metrics."""
     record = read_record(run_dir) or {}
     state = record.get("state", "unknown")
-    if state == "running":
+    if state in ("running", "pending") and record.get("job_id"):
+        state = _job_view(run_dir, record)
+    elif state == "running":
         if record.get("host") != socket.gethostname():
             state = f"running? (on {record.get('host')})"
         elif not _alive(int(record.get("controller_pid", 0)) or -1):
@@ -151,6 +174,26 @@ def view(run_dir: Path) -> RunView:
     since = float(last.get("time") or record.get("started") or time.time())
     total = int(record.get("total_steps") or 0)
     return RunView(run_dir, record, state, len(rows), total, last, time.time() - since)
+
+
+def _job_view(run_dir: Path, record: dict) -> str:
+    """A Slurm run's state from its job: pending, running, or dead once the job is gone."""
+    from areal_cli.launch.slurm import SlurmError, job_state
+
+    try:
+        job = job_state(record["job_id"])
+    except SlurmError:
+        return f"{record['state']}? (squeue cannot tell)"
+    if job is None:
+        if record["state"] == "pending":
+            return f"dead (job {record['job_id']} ended before its controller started)"
+        return "dead: areal train --resume" if _has_recover(run_dir) else "dead"
+    return "pending" if job in ("PENDING", "CONFIGURING") else "running"
+
+
+def is_active(state: str) -> bool:
+    """The run may still make progress (running, running?, pending)."""
+    return state.startswith(("running", "pending"))
 
 
 def find_runs(fileroot: Path) -> list[Path]:
@@ -172,8 +215,19 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> str:
     process) and wait for it; returns what happened, in words."""
     current = view(run_dir)
     record = current.record
-    if not current.state.startswith("running"):
+    if not is_active(current.state):
         return f"not running ({current.state}); nothing to stop"
+    if record.get("job_id"):
+        from areal_cli.launch.slurm import SlurmError, stop_job
+
+        try:
+            said = stop_job(str(record["job_id"]), timeout_s)
+        except SlurmError as exc:
+            raise RuntimeError(str(exc)) from None
+        if read_record(run_dir).get("state") in ("pending", "running"):  # no controller wrote it
+            record.update(state="stopped", ended=time.time())
+            write_record(run_dir, record)
+        return said
     if current.state != "running":
         raise RuntimeError(f"its controller runs on {record.get('host')}; stop it there")
     pid = int(record["controller_pid"])
@@ -184,6 +238,17 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> str:
             raise RuntimeError(f"controller {pid} still running {timeout_s:g}s after SIGTERM")
         time.sleep(0.2)
     return f"stopped (controller {pid} and every process of the run)"
+
+
+def _registered(run_dir: Path, name: str) -> str:
+    """Where a server's job step said it runs (RUN/registry/NAME.json), or ''."""
+    try:
+        entry = json.loads((run_dir / "registry" / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    node = f" on node {entry['node']}" if entry.get("node") else ""
+    step = f", step {entry['job_id']}.{entry['step_id']}" if entry.get("step_id") else ""
+    return f"  (server at {entry['host']}:{entry['port']}{node}{step})"
 
 
 def ps_lines(run_dirs: list[Path]) -> list[str]:
@@ -203,9 +268,15 @@ def status_lines(run_dir: Path) -> list[str]:
     last metrics line."""
     v = view(run_dir)
     out = [f"{run_dir}: {v.state}, step {v.step}/{v.total or '?'}, {v.score}"]
+    here = v.record.get("host") == socket.gethostname()
+    if v.record.get("job_id"):
+        out.append(f"  slurm job {v.record['job_id']}, controller on {v.record.get('host')}")
     for name, pid in (v.record.get("children") or {}).items():
-        alive = v.state == "running" and _alive(pid)
-        out.append(f"  {name:<10} pid {pid:<8} {'running' if alive else 'gone'}")
+        alive = "running" if v.state == "running" and here and _alive(pid) else "gone"
+        if v.state == "running" and not here:
+            alive = f"on {v.record.get('host')}"
+        where = _registered(run_dir, name)
+        out.append(f"  {name:<10} pid {pid:<8} {alive}{where}")
     for beat in sorted((run_dir / "heartbeat").glob("*.json")):
         try:
             phase = json.loads(beat.read_text())["phase"]

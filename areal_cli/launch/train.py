@@ -29,13 +29,13 @@ from typing import Any
 from areal_cli.config.loader import LoadedConfig, to_yaml
 from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch import runs
-from areal_cli.launch.local import ChildFailed, LocalRunner
+from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
 from areal_cli.launch.restarts import Restarter
 from areal_cli.launch.watchdog import RunStuck, watch
 from areal_cli.rollout.controller import ServerAddress, run_loop
 from areal_cli.rollout.recovery import ServerRecovery
-from areal_cli.rundir import heartbeat
+from areal_cli.rundir import heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
 from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
 
@@ -148,6 +148,34 @@ async def _trainer_done(
         await asyncio.sleep(poll_s)
 
 
+def make_runner(cfg: Any, plan: LaunchPlan) -> LocalRunner:
+    """Subprocesses here, job steps inside a Slurm allocation, or Ray actors."""
+    if plan.launcher == "slurm":
+        from areal_cli.launch.slurm import SlurmRunner
+
+        return SlurmRunner(plan, cfg.launcher.slurm.srun_args)
+    if plan.launcher == "ray":
+        from areal_cli.launch.ray_cluster import RayRunner
+
+        return RayRunner(cfg, plan)
+    return LocalRunner()
+
+
+def server_addresses(cfg: Any, plan: LaunchPlan, runner: LocalRunner) -> list[ServerAddress]:
+    """Where the servers listen: 127.0.0.1 for the local launcher; under a cluster
+    launcher, what each server's step wrote in RUN/registry/ (waited for)."""
+    specs = [p for p in plan.processes if p.role.startswith("inference")]
+    if plan.launcher == "local":
+        return [ServerAddress(p.name, f"http://127.0.0.1:{p.ports[0]}", p.log) for p in specs]
+    found = registry.wait_for(
+        Path(plan.run_dir),
+        [p.name for p in specs],
+        cfg.launcher.startup_timeout_s,
+        check=lambda: runner.check(allow_exit={"trainer"}),
+    )
+    return [ServerAddress(p.name, registry.url(found[p.name]), p.log) for p in specs]
+
+
 def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) -> int:
     """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
     that cannot be used raises DatasetError before anything is written or started."""
@@ -169,12 +197,12 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         return 0
     ensure_model(loaded, run_dir)
     heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog
-    servers = [
-        ServerAddress(p.name, f"http://127.0.0.1:{p.ports[0]}", p.log)
-        for p in plan.processes
-        if p.role.startswith("inference")
-    ]
-    runner = LocalRunner()
+    registry.clear(run_dir)
+    try:
+        runner = make_runner(cfg, plan)
+    except Exception as exc:  # a cluster that cannot be reached or cannot hold the plan
+        sink.error(f"could not start the {plan.launcher} launcher: {exc}")
+        return 1
     interrupted = {"signal": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -185,6 +213,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     try:
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
+        servers = server_addresses(cfg, plan, runner)
         runs.start_record(cfg, run_dir, str(loaded.recipe), runner.pids())
         sink.start(cfg, start_step)
         restarter = Restarter(runner, cfg.launcher.restarts, sink)
@@ -204,6 +233,9 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     except KeyboardInterrupt:
         name = signal.Signals(interrupted["signal"] or signal.SIGINT).name
         sink.error(f"interrupted by {name}; stopping every process")
+        return 130
+    except ProcessCancelled as exc:  # e.g. Slurm's scancel of one step
+        sink.error(f"{exc}; stopping every process")
         return 130
     except ChildFailed as exc:
         sink.error(f"{exc}\n--- last lines of {exc.child.spec.log} ---\n{exc.tail.rstrip()}")

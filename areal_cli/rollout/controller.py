@@ -387,7 +387,7 @@ async def metrics_task(
         # newer ones (a version can be skipped when the next lands first: no load figures)
         for step in sorted(s for s in pending if state.version >= s + 1):
             record = pending.pop(step)
-            rollout = state.batch_stats.get(step, {})
+            rollout = state.batch_stats.get(step) or _stored_stats(ctx.run_dir, step)
             metrics = build_metrics(record, rollout, state.handoff.get(step + 1, {}))
             metrics |= counters | {"requests_reissued": ctx.inference.reissued}
             with open(ctx.run_dir / "metrics.jsonl", "a") as f:
@@ -395,6 +395,15 @@ async def metrics_task(
             done.add(step)
             sink.step(metrics)
         await asyncio.sleep(poll_s)
+
+
+def _stored_stats(run_dir: Path, step: int) -> dict:
+    """A step's rollout figures from its batch entry: after a restart, for a step whose
+    batch an earlier controller wrote but whose line it never did."""
+    try:
+        return dict(handoff.read_entry(run_dir / "rollouts" / f"step-{step}").meta["stats"])
+    except (handoff.IncompleteEntry, KeyError):
+        return {}
 
 
 def build_metrics(trainer: dict, rollout: dict, handoff_stats: dict) -> dict[str, float]:

@@ -310,14 +310,19 @@ def record_tree(directory: Path) -> list[FileRecord]:
     ]
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temp name beside `path`, fsync, rename into place."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temp name beside `path`, fsync, rename into place."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON atomically (see write_text_atomic)."""
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def write_entry(

@@ -19,7 +19,9 @@ from typing import Any
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import handoff
 
-RUN_SUBDIRS = ("logs", "heartbeat", "rollouts", "weights", "checkpoints", "recover", "eval")
+RUN_SUBDIRS = (
+    "logs", "heartbeat", "registry", "rollouts", "weights", "checkpoints", "recover", "eval",
+)  # fmt: skip
 # Files of a model folder that travel with its weights (exports, conversions); the weights
 # themselves and any index or manifest are written anew.
 _MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
@@ -70,9 +72,7 @@ def prepare_run_dir(
     for directory in dirs:
         Path(directory).mkdir(parents=True, exist_ok=True)
     handoff.write_json_atomic(run_dir / "plan.json", plan)
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(config_yaml)
-    os.replace(tmp, run_dir / "config.yaml")
+    handoff.write_text_atomic(run_dir / "config.yaml", config_yaml)
     if not resume:
         return 0
     entry = handoff.latest(run_dir / "recover", "step-")

@@ -6,8 +6,9 @@ import signal
 import sys
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (even by kill -9).
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` (SIGKILL) to this process when its parent dies (even by
+    kill -9).
 
     Used as the children's preexec_fn and by each trainer rank for itself, so a killed
     controller leaves no orphan that would hold ports or keep training. No-op elsewhere."""
@@ -17,7 +18,7 @@ def die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, sig)
     except OSError:
         pass
 

@@ -197,6 +197,7 @@ def test_resume_after_kill_9_of_the_controller(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(6))
+    assert all("reward_mean" in r for r in rows)  # a line finished after the kill keeps them
     # The trainer resumed from exactly the newest recover entry left by the killed run.
     resumed = f"resumed from {run_dir / 'recover' / f'step-{recovered}'} at step {recovered + 1}"
     assert resumed in (run_dir / "logs" / "trainer.log").read_text()

@@ -234,10 +234,26 @@ CASES = [
         ["experiment_name: 'a/b' is not a safe directory name"],
     ),
     (
-        "planned-launcher",
-        BASE + "launcher:\n  type: slurm\n",
+        "ray-trainer-over-nodes",
+        _set(BASE, "n_gpus_per_node: 0", "n_gpus_per_node: 4"),
+        ["launcher.type=ray", "cluster.n_nodes=3", "allocation_mode=sglang:d4+fsdp:d8"],
+        ["under Ray the trainer's ranks are packed on one node"],
+    ),
+    (
+        "slurm-options",
+        BASE
+        + "launcher:\n  type: slurm\n  slurm:\n    time: 2 hours\n    extra_sbatch: [constraint=a100]\n",
         [],
-        ["launcher.type: the slurm launcher is planned"],
+        [
+            "launcher.slurm.time: '2 hours' is not a Slurm time limit",
+            "recipe.yaml:19: launcher.slurm.extra_sbatch[0]: 'constraint=a100' is not one option",
+        ],
+    ),
+    (
+        "trainer-ranks-over-nodes",
+        None,
+        ["launcher.type=slurm", "cluster.n_nodes=3", "cluster.n_cpus=4"],
+        ["the trainer's 2 ranks do not split evenly over cluster.n_nodes=3 nodes"],
     ),
     (
         "tokenizer-mismatch",

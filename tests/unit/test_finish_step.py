@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from areal_cli.trainer import main as trainer_main
@@ -41,3 +42,24 @@ def test_the_line_is_written_before_the_recover_entry(tmp_path, one_rank, monkey
     with pytest.raises(Killed):
         trainer_main.finish_step(1, cfg, tmp_path, None, None, scheduler, None, {"step": 1}, beat)
     assert beat.steps_done == 1  # not counted as done
+
+
+def test_a_restarted_controller_takes_a_steps_rollout_figures_from_its_batch(tmp_path) -> None:
+    """A controller killed between writing step N's batch and step N's metrics line:
+    the next one writes the line with N's reward figures, read from the batch entry."""
+    from areal_cli.rollout.controller import _stored_stats
+    from areal_cli.rundir.batch import RolloutBatch, write_batch
+
+    batch = RolloutBatch(
+        input_ids=torch.zeros(4, dtype=torch.int64),
+        loss_mask=torch.ones(4, dtype=torch.int8),
+        logprobs=torch.zeros(4),
+        versions=torch.zeros(4, dtype=torch.int32),
+        seqlens=torch.tensor([4]),
+        rewards=torch.tensor([1.0]),
+        group_size=1,
+    )
+    stats = {"reward_mean": 0.75, "staleness_mean": 1.0}
+    write_batch(tmp_path / "rollouts", 9, batch, {"data_state": {}, "stats": stats})
+    assert _stored_stats(tmp_path, 9) == stats
+    assert _stored_stats(tmp_path, 10) == {}  # no batch: the line has the trainer's part
