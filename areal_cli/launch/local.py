@@ -138,8 +138,8 @@ class LocalRunner:
 
 def _stop_groups(children: list[Child], grace_s: float) -> None:
     for child in children:
-        _signal_group(child.popen, signal.SIGTERM)
-        _signal_group(child.popen, signal.SIGCONT)  # a stopped process acts on TERM once continued
+        signal_group(child.popen, signal.SIGTERM)
+        signal_group(child.popen, signal.SIGCONT)  # a stopped process acts on TERM once continued
     deadline = time.monotonic() + grace_s
     for child in children:
         try:
@@ -147,14 +147,15 @@ def _stop_groups(children: list[Child], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             pass
     for child in children:
-        _signal_group(child.popen, signal.SIGKILL)  # also reaps grandchildren left behind
+        signal_group(child.popen, signal.SIGKILL)  # also reaps grandchildren left behind
         try:
             child.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
 
 
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+def signal_group(popen: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the process group that `popen` leads (nothing if it is empty)."""
     try:
         os.killpg(popen.pid, sig)  # start_new_session made it its group's leader
     except (ProcessLookupError, PermissionError):

@@ -39,9 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_cli.launch.local import Child, LocalRunner
+from areal_cli.launch.local import Child, LocalRunner, signal_group
 from areal_cli.launch.plan import HEAD_NODE, LaunchPlan, ProcessSpec
-from areal_cli.rundir.registry import HOST_ENV, entry_path
+from areal_cli.launch.step import server_command
+from areal_cli.rundir.registry import HOST_ENV
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -93,17 +94,10 @@ class ProcessActor:
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM the process group, SIGKILL what is left after `grace_s`."""
         for sig in (signal.SIGTERM, signal.SIGCONT):
-            _killpg(self.popen.pid, sig)
+            signal_group(self.popen, sig)
         code = self.wait(grace_s)
-        _killpg(self.popen.pid, signal.SIGKILL)
+        signal_group(self.popen, signal.SIGKILL)
         return code if code is not None else self.wait(5)
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class RemoteProcess:
@@ -158,15 +152,15 @@ class RayRunner(LocalRunner):
         from ray.util.placement_group import placement_group
 
         self.head: subprocess.Popen | None = None
-        self._connect(ray, cfg, cfg.launcher.startup_timeout_s)
-        self.bundles = {p.name: i for i, p in enumerate(plan.processes)}
-        self.group = placement_group([_bundle(p) for p in plan.processes], strategy="PACK")
         timeout_s = cfg.launcher.startup_timeout_s
+        self._connect(ray, cfg, timeout_s)
+        self.bundles = {p.name: i for i, p in enumerate(plan.processes)}
+        asked = [_bundle(p) for p in plan.processes]
+        self.group = placement_group(asked, strategy="PACK")
         ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
         if not ready:
             have = ray.cluster_resources()
             self.stop_all()
-            asked = [_bundle(p) for p in plan.processes]
             raise RayPlacementError(
                 f"the Ray cluster could not place {asked} within {timeout_s:g}s (it has {have})"
             )
@@ -232,9 +226,7 @@ class RayRunner(LocalRunner):
     def command(self, spec: ProcessSpec, argv: list[str]) -> list[str]:
         if not spec.role.startswith("inference"):
             return argv
-        register = str(entry_path(self.run_dir, spec.name))
-        wrapper = [sys.executable, "-m", "areal_cli.launch.step", "--register", register]
-        return wrapper + ["--name", spec.name, "--port", str(spec.ports[0]), "--", *argv]
+        return server_command(self.run_dir, spec.name, spec.ports[0], argv)
 
     def stop(self, child: Child, grace_s: float = 10.0) -> None:
         _stop_actors([child], grace_s)

@@ -45,7 +45,8 @@ from typing import Any
 
 from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
 from areal_cli.launch.plan import HEAD_NODE, LaunchPlan, ProcessSpec
-from areal_cli.rundir.registry import HOST_ENV, entry_path
+from areal_cli.launch.step import server_command
+from areal_cli.rundir.registry import HOST_ENV
 
 SECRET_ENV = "AREAL_INFERENCE_API_KEY"  # the API key travels to the job in the environment
 TIME_LIMIT_SIGNAL = "B:TERM@120"
@@ -150,8 +151,8 @@ def submit_run(
 
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
-    active = runs.view(run_dir).state if (run_dir / runs.RUN_FILE).exists() else ""
-    if active.startswith(("running", "pending")):
+    active = runs.view(run_dir).state
+    if runs.is_active(active):
         raise FileExistsError(f"{run_dir} is {active}; `areal stop {run_dir}` first")
     warnings: list[str] = []
     read_data(cfg, warnings.append)
@@ -238,6 +239,7 @@ class SlurmRunner(LocalRunner):
         if len(self.nodes) < plan.n_nodes:
             raise SlurmError(f"the job has {len(self.nodes)} nodes, the plan needs {plan.n_nodes}")
         self.srun_args = list(srun_args)
+        self.addresses: dict[str, str] = {}  # node -> NodeAddr, asked once
         self.log_start: dict[int, int] = {}  # id(child) -> its log's size when it started
 
     def start(self, spec: ProcessSpec, argv: list[str] | None = None) -> Any:
@@ -269,10 +271,13 @@ class SlurmRunner(LocalRunner):
         return " CANCELLED AT " in said  # slurmstepd's "*** STEP J.S ON NODE CANCELLED AT"
 
     def node_address(self, node: str) -> str:
-        """The address Slurm knows the node by (NodeAddr), for the trainer's rendezvous."""
-        fields = run_slurm(["scontrol", "show", "node", "-o", node]).split()
-        found = dict(f.split("=", 1) for f in fields if "=" in f)
-        return found.get("NodeAddr") or node
+        """The address Slurm knows the node by (NodeAddr): the trainer's rendezvous host
+        and the servers' registered host."""
+        if node not in self.addresses:
+            fields = run_slurm(["scontrol", "show", "node", "-o", node]).split()
+            found = dict(f.split("=", 1) for f in fields if "=" in f)
+            self.addresses[node] = found.get("NodeAddr") or node
+        return self.addresses[node]
 
     def command(self, spec: ProcessSpec, argv: list[str]) -> list[str]:
         nodes = [self.nodes[i] for i in spec.nodes]
@@ -290,9 +295,7 @@ class SlurmRunner(LocalRunner):
         if spec.role.startswith("inference"):
             # the address the controller will reach it at: the node's, as Slurm knows it
             step.append(f"--export=ALL,{HOST_ENV}={self.node_address(nodes[0])}")
-            register = str(entry_path(self.run_dir, spec.name))
-            wrapper = [sys.executable, "-m", "areal_cli.launch.step", "--register", register]
-            return step + wrapper + ["--name", spec.name, "--port", str(spec.ports[0]), "--", *argv]
+            return step + server_command(self.run_dir, spec.name, spec.ports[0], argv)
         head = self.node_address(nodes[0])
         return step + [a.replace(HEAD_NODE, head) for a in argv]
 

@@ -13,7 +13,14 @@ import os
 import sys
 from pathlib import Path
 
-from areal_cli.rundir.registry import register
+from areal_cli.rundir.registry import entry_path, register
+
+
+def server_command(run_dir: Path, name: str, port: int, argv: list[str]) -> list[str]:
+    """`argv` of server `name` behind this wrapper, registering in RUN/registry/NAME.json."""
+    register_at = str(entry_path(run_dir, name))
+    wrapper = [sys.executable, "-m", "areal_cli.launch.step", "--register", register_at]
+    return wrapper + ["--name", name, "--port", str(port), "--", *argv]
 
 
 def main(argv: list[str] | None = None) -> None:

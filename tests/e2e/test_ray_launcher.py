@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_areal
+from tests.e2e.test_lifecycle import _state
 from tests.e2e.test_train import _args, _assert_no_processes_left, _metrics, _wait_for
 
 pytestmark = [
@@ -52,10 +53,6 @@ def _assert_ray_gone(timeout: float = 20.0) -> None:
     assert not list(Path("/tmp").glob("areal-ray-*")), "Ray's temp dir was left behind"
 
 
-def _ps(fileroot: Path) -> list[str]:
-    return run_areal("ps", str(fileroot)).stdout.splitlines()[1].split()
-
-
 def test_a_ray_run_learns_and_is_followed(tmp_path: Path) -> None:
     run_dir = tmp_path / "tiny-cpu" / "trial0"
     args = [sys.executable, "-m", "areal_cli.cli", "train", "recipes/tiny_cpu.yaml"]
@@ -65,7 +62,7 @@ def test_a_ray_run_learns_and_is_followed(tmp_path: Path) -> None:
     )
     try:
         _wait_for(lambda: len(_metrics(run_dir)) >= 1, 300, proc)
-        assert _ps(tmp_path)[2:5] == ["ray", "-", "running"]
+        assert _state(tmp_path)[2:5] == ["ray", "-", "running"]
         status = run_areal("status", str(run_dir)).stdout
         assert "server-0" in status and "(server at 127.0.0.1:" in status
         follow = run_areal("logs", str(run_dir), "-f", "-n", "1000", timeout=600)
@@ -75,7 +72,7 @@ def test_a_ray_run_learns_and_is_followed(tmp_path: Path) -> None:
         proc.kill()
     rewards = [row["reward_mean"] for row in _metrics(run_dir)]
     assert len(rewards) == 24 and sum(rewards[-5:]) / 5 >= 0.8, rewards
-    assert _ps(tmp_path)[4] == "finished"
+    assert _state(tmp_path)[4] == "finished"
     registry = json.loads((run_dir / "registry" / "server-0.json").read_text())
     assert registry["host"] == "127.0.0.1"  # Ray pinned to loopback
     assert "Ray runtime started" in (run_dir / "logs" / "ray-head.log").read_text()
@@ -105,7 +102,7 @@ def test_ray_restart_stop_and_a_controller_killed_with_9(tmp_path: Path) -> None
         proc.kill()
     _assert_no_processes_left(run_dir)
     _assert_ray_gone()
-    assert _ps(tmp_path)[4] == "stopped"
+    assert _state(tmp_path)[4] == "stopped"
 
     again = subprocess.Popen(
         args + ["--resume"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -119,4 +116,4 @@ def test_ray_restart_stop_and_a_controller_killed_with_9(tmp_path: Path) -> None
         again.kill()
     _assert_no_processes_left(run_dir)
     _assert_ray_gone()
-    assert _ps(tmp_path)[4:7] == ["dead:", "areal", "train"]
+    assert _state(tmp_path)[4:7] == ["dead:", "areal", "train"]

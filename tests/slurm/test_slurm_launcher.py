@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_areal
+from tests.e2e.test_lifecycle import _state
 from tests.e2e.test_train import _assert_no_processes_left, _metrics
 from tests.gloo.conftest import free_port
 
@@ -68,10 +69,6 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def _ps(fileroot: Path) -> list[str]:
-    return run_areal("ps", str(fileroot)).stdout.splitlines()[1].split()
-
-
 def _record(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
@@ -94,7 +91,7 @@ def test_a_slurm_run_learns_while_squeue_ps_and_logs_follow_it(
 
     _wait(steps_seen, 120, "the job's steps in squeue")
     assert {"batch", "server-0", "trainer"} <= seen, _slurm_out(run_dir, job)
-    line = _ps(tmp_path)
+    line = _state(tmp_path)
     assert line[:4] == ["tiny-cpu", "trial0", "slurm", job] and line[4] in ("running", "finished")
     follow = subprocess.run(
         [sys.executable, "-m", "areal_cli.cli", "logs", str(run_dir), "-f", "-n", "1000"],
@@ -105,7 +102,7 @@ def test_a_slurm_run_learns_while_squeue_ps_and_logs_follow_it(
     rewards = [row["reward_mean"] for row in _metrics(run_dir)]
     assert [row["step"] for row in _metrics(run_dir)] == list(range(24))
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
-    assert _ps(tmp_path)[4] == "finished"
+    assert _state(tmp_path)[4] == "finished"
     registry = json.loads((run_dir / "registry" / "server-0.json").read_text())
     assert registry["job_id"] == job and registry["node"] == "n1"
     assert registry["host"] == "127.0.0.1"  # n1's NodeAddr, not this machine's hostname
@@ -123,7 +120,7 @@ def test_areal_stop_ends_the_job_and_every_step(slurm_cluster: str, tmp_path: Pa
     stopped = run_areal("stop", str(run_dir), timeout=180)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     assert _job_gone(job) and _steps(job) == []
-    assert _ps(tmp_path)[4] == "stopped"
+    assert _state(tmp_path)[4] == "stopped"
     assert "interrupted by SIGTERM" in (run_dir / "logs" / "controller.log").read_text()
     _assert_no_processes_left(run_dir)
 
@@ -140,11 +137,11 @@ def test_a_controller_killed_with_9_takes_its_steps_and_resume_is_a_new_job(
     _wait(lambda: _job_gone(job), 60, "Slurm to end the job of the killed controller")
     assert _steps(job) == []  # no orphan step
     _assert_no_processes_left(run_dir)
-    assert _ps(tmp_path)[4:7] == ["dead:", "areal", "train"]
+    assert _state(tmp_path)[4:7] == ["dead:", "areal", "train"]
     again = _submit(tmp_path, *args, "--resume")
     assert again != job
     _wait(lambda: _job_gone(again), 300, "the resumed job to end")
-    assert _ps(tmp_path)[4] == "finished", _slurm_out(run_dir, again)
+    assert _state(tmp_path)[4] == "finished", _slurm_out(run_dir, again)
     assert [row["step"] for row in _metrics(run_dir)] == list(range(10))
     assert all("reward_mean" in row for row in _metrics(run_dir))
     assert "--resume" in (run_dir / "slurm" / "job.sbatch").read_text()
@@ -166,7 +163,7 @@ def test_two_nodes_one_server_each_and_the_trainer_on_both(
     assert placed.get("server-0") == "n1" and placed.get("server-1") == "n2", placed
     assert placed.get("trainer") == "n[1-2]", placed
     _wait(lambda: _job_gone(job), 300, "the job to end")
-    assert _ps(tmp_path)[4] == "finished", _slurm_out(run_dir, job)
+    assert _state(tmp_path)[4] == "finished", _slurm_out(run_dir, job)
     nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "registry").glob("*.json")}
     assert nodes == {"n1", "n2"}
     trainer_argv = json.loads((run_dir / "plan.json").read_text())["processes"][2]["argv"]
@@ -211,5 +208,5 @@ def test_a_killed_server_is_a_new_step_and_a_cancelled_step_ends_the_run(
     subprocess.run(["scancel", servers[0][0]], check=True)  # on purpose: the run ends
     _wait(lambda: _job_gone(job), 60, "the job to end")
     assert "server-0's job step was cancelled; stopping every process" in log.read_text()
-    assert _ps(tmp_path)[4] == "stopped" and _record(run_dir)["exit_code"] == 130
+    assert _state(tmp_path)[4] == "stopped" and _record(run_dir)["exit_code"] == 130
     _assert_no_processes_left(run_dir)
