@@ -160,7 +160,7 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
         train.context_parallel_size,
         train.tensor_parallel_size,
         cfg.actor.mb_spec.max_tokens_per_mb,
-        cfg.actor.fsdp.param_dtype,
+        cfg.model.dtype,  # parameters and gradients; mixed precision casts copies
         cfg.actor.optimizer.type,
         # the longest sequence
         getattr(cfg, cfg.algorithm).max_len

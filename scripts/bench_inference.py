@@ -2,7 +2,7 @@
 
 Usage: python scripts/bench_inference.py [--preset tiny|small] [--requests 64]
        [--max-running-requests 16] [--threads 1] [--temperature 0] [--seed 0]
-       [--repeats 3] [--reloads 3] [--workdir DIR]
+       [--repeats 3] [--reloads 3] [--dtype float32,bfloat16] [--workdir DIR]
 
 One run, one model (the builtin preset, built offline), one fixed set of requests with
 mixed prompt lengths (8-64 tokens) and output lengths (max_new_tokens 8-128, ignore_eos,
@@ -17,6 +17,10 @@ requests it decodes together). Both sides get the same number of torch threads
 (--threads: OMP_NUM_THREADS/MKL_NUM_THREADS for the server, torch.set_num_threads here)
 and run one after the other, never at the same time. Both use the same sampling
 (greedy by default; with --temperature T both sample from the full softmax at T).
+Each --dtype (default: float32 and bfloat16, side by side) runs the whole comparison with
+both sides in that dtype; bf16 uses the CPU's AVX-512 BF16 / AMX units where it has them.
+The last line compares each dtype's server throughput with the first's, and for greedy
+decoding how many requests produced the same tokens in both.
 Throughput counts only requested tokens: a static batch keeps decoding a short request
 until its longest neighbour is done, and those extra tokens are waste, not output.
 Both sides are warmed up, then timed alternately --repeats times; the best run of each
@@ -93,6 +97,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", default="float32,bfloat16", help="Comma-separated dtypes, run in turn."
+    )
     parser.add_argument("--workdir", type=Path, default=Path("~/.cache/areal/bench"))
     parser.add_argument("--repeats", type=int, default=3, help="Throughput runs (best).")
     parser.add_argument("--reloads", type=int, default=3, help="Reload timings (median).")
@@ -127,11 +134,11 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- (a) server
 
 
-def start(model: Path, args: argparse.Namespace, log: Path) -> ServerProcess:
+def start(model: Path, args: argparse.Namespace, log: Path, dtype: str) -> ServerProcess:
     port = free_port()
     argv = [
         sys.executable, "-m", "areal_cli.inference.server", "--model-path", str(model),
-        "--port", str(port), "--device", "cpu", "--dtype", "float32",
+        "--port", str(port), "--device", "cpu", "--dtype", dtype,
         "--max-running-requests", str(args.max_running_requests),
     ]  # fmt: skip
     threads = str(args.threads)
@@ -178,9 +185,9 @@ def hf_generate(
     return out[:, width:], longest * len(batch)
 
 
-def load_hf(model_dir: Path, threads: int) -> torch.nn.Module:
+def load_hf(model_dir: Path, threads: int, dtype: str) -> torch.nn.Module:
     torch.set_num_threads(threads)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
 def bench_hf(
@@ -269,9 +276,33 @@ def main() -> int:
     alt_dir = build_tiny_model(work / "seed1", args.preset, seed=1)
     vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
     reqs = make_requests(args.requests, vocab, args.seed)
-    model = load_hf(model_dir, args.threads)
+    best: dict[str, Throughput] = {}
+    for i, dtype in enumerate(args.dtype.split(",")):
+        best[dtype] = compare(args, dtype, model_dir, alt_dir if i == 0 else None, reqs, work)
+    if len(best) > 1:
+        (first, base), *rest = best.items()
+        for dtype, run in rest:
+            line = f"{dtype} vs {first}: server {run.rate / base.rate:.2f}x tokens/s"
+            if args.temperature == 0:
+                same = sum(a == b for a, b in zip(run.outputs, base.outputs, strict=True))
+                line += f"; greedy outputs identical in {same}/{len(reqs)} requests"
+            print(line)
+    return 0
+
+
+def compare(
+    args: argparse.Namespace,
+    dtype: str,
+    model_dir: Path,
+    alt_dir: Path | None,
+    reqs: list[Request],
+    work: Path,
+) -> Throughput:
+    """The server against HF in `dtype` (and the reload timing when `alt_dir` is given);
+    returns the server's best run."""
+    model = load_hf(model_dir, args.threads, dtype)
     size = args.max_running_requests
-    server = start(model_dir, args, work / "server.log")
+    server = start(model_dir, args, work / f"server-{dtype}.log", dtype)
     try:
         # Warm both up, then alternate so that load from other processes hits both alike;
         # an idle server uses no CPU while HF runs.
@@ -281,19 +312,23 @@ def main() -> int:
         for _ in range(args.repeats):
             ours.append(asyncio.run(bench_server(server, reqs, args.temperature)))
             hf.append(bench_hf(model, reqs, size, args.temperature))
-        reload_s, read_s, nbytes, cold = bench_reload(server.url, alt_dir, work, args.reloads)
+        if alt_dir is not None:
+            reload = bench_reload(server.url, alt_dir, work, args.reloads)
     finally:
         server.stop()
+    print(f"== {dtype}")
     report(args, reqs, ours, [h for h, _ in hf], hf[0][1], count_parameters(model))
-    how = "page cache dropped before each (posix_fadvise, checked with fincore)"
-    if not cold:
-        how = "page cache NOT verified dropped: a fresh copy written just before (warm)"
-    print(
-        f"weight reload: /update_weights_from_disk {reload_s:.3f} s vs raw read {read_s:.3f} s "
-        f"of the same {nbytes / 1e6:.1f} MB ({reload_s / read_s:.1f}x; median of "
-        f"{args.reloads}; {how})"
-    )
-    return 0
+    if alt_dir is not None:
+        reload_s, read_s, nbytes, cold = reload
+        how = "page cache dropped before each (posix_fadvise, checked with fincore)"
+        if not cold:
+            how = "page cache NOT verified dropped: a fresh copy written just before (warm)"
+        print(
+            f"weight reload: /update_weights_from_disk {reload_s:.3f} s vs raw read {read_s:.3f} s "
+            f"of the same {nbytes / 1e6:.1f} MB ({reload_s / read_s:.1f}x; median of "
+            f"{args.reloads}; {how})"
+        )
+    return min(ours, key=lambda r: r.seconds)
 
 
 def report(

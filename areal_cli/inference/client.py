@@ -141,6 +141,17 @@ class InferenceClient:
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self.reissued = 0  # generate attempts re-issued after their server died
+        self.generated_tokens = 0  # output tokens of the answered /generate calls
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
+
+    def busy_s(self) -> float:
+        """Wall seconds so far during which at least one /generate call was in flight:
+        the time the servers were generating, as this client sees it (overlapping calls
+        count once). gen_tokens_per_s is generated_tokens over this clock."""
+        now = time.monotonic()
+        return self._busy_s + (now - self._busy_since if self._in_flight else 0.0)
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -172,7 +183,17 @@ class InferenceClient:
         }
         if rid is not None:
             body["rid"] = rid
-        return await self._call_one("/generate", body)
+        if self._in_flight == 0:
+            self._busy_since = time.monotonic()
+        self._in_flight += 1
+        try:
+            answer = await self._call_one("/generate", body)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy_s += time.monotonic() - self._busy_since
+        self.generated_tokens += len(answer.get("output_ids") or ())
+        return answer
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | int | None = None

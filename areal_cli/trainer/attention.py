@@ -1,10 +1,13 @@
 """The trainer's attention over packed micro-batches, and context parallelism (Ulysses).
 
 A packed micro-batch holds several sequences one after another. Each attends causally to
-itself only, so attention runs per sequence (`packed_attention`): one causal SDPA call
-over each sequence's span, with no T x T mask. A mask would cost T^2 of memory per layer
-(SDPA keeps its own float copy for backward in every layer, whatever the heads); the
-spans cost nothing and skip the cross-sequence blocks' compute.
+itself only, so attention runs per sequence (`packed_attention`), never with a T x T mask
+(T^2 of memory per layer, and the cross-sequence blocks' compute). Each sequence is padded
+to its own bucket width (its length rounded up to a multiple of BUCKET), and the sequences
+of one bucket go through one SDPA call as a batch [n, heads, width, d] under a causal and
+padding mask. A row's result then depends on its own length only, never on which other
+sequences share its micro-batch, so 1, 2 and 3 ranks (which pack differently) compute the
+same numbers. Padding costs less than BUCKET keys per query.
 
 With context parallelism, the micro-batch is cut into `cp` equal, contiguous slices of
 tokens, one per rank of the cp group; a sequence may cross a slice boundary. Everything
@@ -38,6 +41,9 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION = "areal_packed"
+# Sequences are padded to a multiple of this many tokens and attended in one SDPA call
+# per width (`_bucket_attention`).
+BUCKET = 16
 
 
 @dataclass
@@ -124,21 +130,66 @@ def packed_attention(
     if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    pieces = [
-        F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=True,
-        )
-        for a, b in spans
-    ]
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    buckets: dict[int, list[int]] = {}  # width -> indices of the sequences padded to it
+    for i, (a, b) in enumerate(spans):
+        buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append(i)
+    if len(buckets) == 1:  # every sequence, in token order
+        out = _bucket_attention(query, key, value, spans, next(iter(buckets)), dropout, scaling)
+    else:
+        out = torch.empty_like(query)
+        for width, members in buckets.items():
+            chosen = [spans[i] for i in members]
+            rows = _bucket_attention(query, key, value, chosen, width, dropout, scaling)
+            out = out.index_copy(2, _token_index(chosen, query.device), rows)
     if ctx is not None and ctx.size > 1:
         out = heads_to_sequence(out, ctx)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _token_index(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The token positions of `spans`, in order."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+
+
+def _bucket_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: list[tuple[int, int]],
+    width: int,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention of the sequences `spans` of [1, H, T, d], each padded to `width`,
+    in one SDPA call on [n, H, width, d]; returns [1, H, sum of lengths, d], the real rows
+    in span order. Without padding (every length is `width`) the call is a plain causal
+    one; otherwise a mask also hides each row's padding keys (a padding query still sees
+    key 0, so no row is all -inf)."""
+    device = query.device
+    starts = torch.tensor([a for a, _ in spans], device=device)
+    lengths = torch.tensor([b - a for a, b in spans], device=device)
+    offsets = torch.arange(width, device=device)
+    valid = offsets[None, :] < lengths[:, None]  # [n, width]
+    index = (starts[:, None] + offsets[None, :]).clamp(max=query.shape[2] - 1)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, d] -> [n, H, width, d]
+        return x[0][:, index].transpose(0, 1)
+
+    if bool(valid.all()):
+        mask, causal = None, True
+    else:
+        tril = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        mask, causal = tril[None, None] & valid[:, None, None, :], False
+    out = F.scaled_dot_product_attention(
+        rows(query),
+        rows(key),
+        rows(value),
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=causal,
+        scale=scaling,
+    )
+    return out.transpose(0, 1)[:, valid][None]
 
 
 def register(cp_size: int) -> None:

@@ -13,12 +13,15 @@ tokenizer files and one `model.safetensors`, which every rank writes its shards 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import math
 import time
 import uuid
+import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,15 @@ def _alone() -> bool:
     return dist.get_world_size() == 1
 
 
+@contextlib.contextmanager
+def _quiet_alone() -> Iterator[None]:
+    """DCP warns at every 1-rank save and load that it assumes a single process, which is
+    what `_alone` asks for on purpose: the warning would only fill the trainer's log."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_recover(
     parent: Path,
     step: int,
@@ -77,11 +89,8 @@ def save_recover(
     everything = {}
     for name, (m, o) in {"model": (model, optimizer), **(extra or {})}.items():
         everything[name], everything[_optim_key(name)] = get_state_dict(m, o)
-    dcp.save(
-        everything,
-        checkpoint_id=str(tmp / "dcp"),
-        no_dist=_alone(),
-    )
+    with _quiet_alone():
+        dcp.save(everything, checkpoint_id=str(tmp / "dcp"), no_dist=_alone())
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
     dist.barrier()
     final = parent / f"{RECOVER_PREFIX}{step}"
@@ -121,7 +130,8 @@ def load_recover(
         target[name], optim_sd = get_state_dict(m, o)
         if has_optim:
             target[_optim_key(name)] = optim_sd
-    dcp.load(target, checkpoint_id=str(entry.path / "dcp"), no_dist=_alone())
+    with _quiet_alone():
+        dcp.load(target, checkpoint_id=str(entry.path / "dcp"), no_dist=_alone())
     for name, (m, o) in models.items():
         if has_optim:
             set_state_dict(

@@ -353,6 +353,7 @@ def run_one_step(
         beat=lambda phase: beat.phase(f"step {step}: {phase}"),
         layout=layout,
         critic=critic,
+        policy_version=step,  # the weights now: version `step` (v0 is the initial model)
     )
     train_s = time.perf_counter() - t0
     beat.phase(f"step {step}: publish v{step + 1}")

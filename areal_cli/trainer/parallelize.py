@@ -6,7 +6,10 @@
   2. `parallelize`: with t > 1, tensor parallelism on the mesh's tp dim, by the plan of
      the model's architecture (`TP_PLANS`); then `fully_shard` each block chosen by the
      wrap policy, then the root, over the dp x cp ranks, with an explicit
-     MixedPrecisionPolicy; fail loudly if no block matched;
+     MixedPrecisionPolicy; fail loudly if no block matched. A 1-rank trainer (`fsdp:d1`)
+     whose compute dtype is its parameters' dtype is left unwrapped (`single_rank`):
+     FSDP2 would only add per-block hooks, copies and DTensor dispatch (~20% of the
+     demo's step) to a model that nothing shards;
   3. allocate the local shards and load the weights: every rank reads the safetensors,
      or with `memory_efficient_load` only rank 0 reads and the shards are broadcast.
 
@@ -98,9 +101,23 @@ def apply_tensor_parallel(model: nn.Module, tmesh: TrainerMesh) -> None:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
+def single_rank(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> bool:
+    """The plain path: one trainer rank in all, no offload, and mixed precision that
+    would change nothing (compute in the parameters' own dtype)."""
+    params = next(model.parameters(), None)
+    dtype = params.dtype if params is not None else torch.float32
+    return (
+        tmesh.mesh.size() == 1
+        and not cfg.offload_params
+        and torch_dtype(cfg.param_dtype) == dtype
+        and torch_dtype(cfg.reduce_dtype) == dtype
+    )
+
+
 def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> nn.Module:
     """Apply tensor parallelism (t > 1), then FSDP2 to `model` in place: each wrapped
-    block, then the root, over the dp x cp ranks."""
+    block, then the root, over the dp x cp ranks; or nothing but the attention on the
+    `single_rank` path."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = tmesh.fsdp
@@ -131,6 +148,8 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
             f"FSDP wrap policy matched no module (looked for {sorted(classes) or 'nothing'}); "
             "set actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap to the model's layer class"
         )
+    if single_rank(model, tmesh, cfg):
+        return model
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -223,6 +242,11 @@ def build_sharded_model(
         else torch.device("cpu")
     )
     model.to_empty(device=device)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        embedding = model.get_input_embeddings().weight
+        if not hasattr(embedding, "to_local"):  # unwrapped: to_empty gave each its own tensor
+            head.weight = embedding
     for name, value in buffers.items():  # to_empty wiped them; they are not in checkpoints
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._buffers[attr] = value.to(device)

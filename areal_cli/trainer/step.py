@@ -295,6 +295,7 @@ def train_step(
     beat: Beat = _no_beat,
     layout: StepLayout | None = None,
     critic: Any = None,
+    policy_version: int | None = None,
 ) -> dict[str, float]:
     """Run one PPO step on `batch` (collective over every trainer rank).
 
@@ -302,7 +303,15 @@ def train_step(
     each phase as it starts (the heartbeat that the controller's watchdog reads). `layout`
     says how this rank takes part (default: data parallel over the whole world). With a
     `critic` (areal_cli.trainer.critic), advantages are per token by GAE, and the critic
-    takes its own optimizer step after the actor's in every minibatch.
+    takes its own optimizer step after the actor's in every minibatch. `policy_version`
+    is the version of the model's weights now: when every generated token of the batch
+    came from it, the proximal policy is the behaviour policy.
+
+    The proximal policy of decoupled PPO is the model as the step starts. With one
+    minibatch, the step's own training forward runs on exactly those weights (nothing is
+    updated before it), so its detached logprobs are the proximal ones and no separate
+    pass is made. With more minibatches, an on-policy batch takes the behaviour logprobs
+    as proximal, and any other batch pays one no-grad pass before the first update.
     """
     layout = layout or StepLayout.data_parallel()
     if cfg.kl_ctl > 0 and ref_model is None:
@@ -317,9 +326,10 @@ def train_step(
     ]
     beat("plan micro-batches")
     plans = agree_on_micro_batches(batch, shards, cfg)
+    on_policy = policy_version is not None and is_on_policy(batch, policy_version)
     prox = (
         _no_grad_logprobs(model, batch, shards, plans, temperature, beat, "proximal", layout)
-        if cfg.use_decoupled_loss
+        if cfg.use_decoupled_loss and not on_policy and n_minibatches > 1
         else None
     )
     ref = (
@@ -358,10 +368,14 @@ def train_step(
                 # one more value (0) for the filler sequence a context-parallel micro-batch may end with
                 values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
                 adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
-            if prox is not None:
+            if cfg.use_decoupled_loss:
+                if n_minibatches == 1:  # this forward's weights are the proximal ones
+                    proximal = logp.detach()
+                else:
+                    proximal = prox[m][j] if prox is not None else t["logprobs"]  # on-policy
                 loss_tok, lstats = losses.decoupled_ppo_loss(
                     logp,
-                    prox[m][j],
+                    proximal,
                     t["logprobs"],
                     adv,
                     mask,
@@ -446,6 +460,13 @@ def agree_on_plans(lengths: list[list[int]], cfg: TrainEngineConfig) -> list[_Sh
         padded = plan.mbs + [[] for _ in range(k - len(plan.mbs))]
         plans.append(_Shard(padded, plan.padding_fraction, short))
     return plans
+
+
+def is_on_policy(batch: RolloutBatch, version: int) -> bool:
+    """Every generated token of `batch` came from weights `version` (the same answer on
+    every rank: each reads the whole batch)."""
+    generated = batch.loss_mask.bool()
+    return bool((batch.versions[generated] == version).all())
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ def test_ps_status_logs_follow_a_run_and_stop_ends_it(tmp_path: Path) -> None:
         assert line[:5] == ["tiny-cpu", "trial0", "local", "-", "running"]
         assert line[5].endswith("/200") and line[6] == "reward"
         status = run_areal("status", str(run_dir)).stdout
-        assert "running, step" in status and "server-0" in status and "trainer-1  phase:" in status
+        assert "running, step" in status and "server-0" in status and "trainer-0  phase:" in status
         assert status.count(" running") >= 3  # the run and both processes
         logs = run_areal("logs", str(run_dir), "-n", "2").stdout.splitlines()
         assert len(logs) == 2 and all("step" in x for x in logs)

@@ -245,7 +245,10 @@ def test_teardown_leaves_no_process(tmp_path: Path, how: str) -> None:
 def test_a_stuck_trainer_rank_is_named_and_the_run_resumes(tmp_path: Path) -> None:
     """A rank that stops inside a step (test-only fault hook) ends the run by itself."""
     limit = 15
-    args = _args(tmp_path, 4, "recover.freq_steps=1", f"launcher.watchdog.timeout_s={limit}")
+    two_ranks = "allocation_mode=embedded:d1+fsdp:d2"  # the demo's trainer has one rank
+    args = _args(
+        tmp_path, 4, "recover.freq_steps=1", f"launcher.watchdog.timeout_s={limit}", two_ranks
+    )
     run_dir = _run_dir(tmp_path)
     env = {**os.environ, "AREAL_FAULT_HANG": "trainer-1:step 2: train mb 1/"}
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)

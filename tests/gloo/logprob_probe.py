@@ -45,9 +45,12 @@ def main() -> None:
     blocks = {}  # where each rank's block of two sample weights lies, as --dry-run says
     for name in ("q_proj", "o_proj"):
         weight = getattr(model.model.layers[0].self_attn, name).weight
-        shape, offset = compute_local_shape_and_global_offset(
-            weight.shape, weight.device_mesh, weight.placements
-        )
+        if hasattr(weight, "device_mesh"):
+            shape, offset = compute_local_shape_and_global_offset(
+                weight.shape, weight.device_mesh, weight.placements
+            )
+        else:  # a 1-rank trainer holds plain tensors (parallelize.single_rank)
+            shape, offset = weight.shape, [0] * weight.dim()
         blocks[name] = (tuple(offset), tuple(shape))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, blocks)

@@ -127,7 +127,7 @@ def test_a_rank_left_waiting_in_a_collective_fails_naming_its_phase(
         "OMP_NUM_THREADS": "1",
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "AREAL_FAULT_HANG": "trainer-1:step 1: proximal mb 1/",
+        "AREAL_FAULT_HANG": "trainer-1:step 1: train mb 1/",
     }
     start = time.monotonic()
     result = subprocess.run(
@@ -135,6 +135,4 @@ def test_a_rank_left_waiting_in_a_collective_fails_naming_its_phase(
     )
     assert result.returncode != 0
     assert time.monotonic() - start < 60
-    assert "rank 0 failed in phase 'step 1: proximal mb 1/1'" in result.stderr, result.stderr[
-        -3000:
-    ]
+    assert "rank 0 failed in phase 'step 1: train mb 1/1'" in result.stderr, result.stderr[-3000:]

@@ -40,7 +40,7 @@ def _batches(directory: Path, n_steps: int, n_seqs: int = 8) -> Path:
                     "input_ids": ids,
                     "loss_mask": mask,
                     "logprobs": (-torch.rand(len(ids), generator=gen) * 5 - 0.5) * mask,
-                    "versions": torch.where(mask.bool(), step, -1).to(torch.int32),
+                    "versions": torch.where(mask.bool(), step - 1, -1).to(torch.int32),
                 }
             )
         rewards = torch.randint(0, 2, (n_seqs,), generator=gen).float().tolist()

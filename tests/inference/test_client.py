@@ -277,3 +277,22 @@ def test_a_server_taken_down_is_waited_for_and_its_failed_attempts_reissued() ->
 
     assert run(with_stub(stub, body))["output_ids"] == [1]
     assert stub.calls == 2
+
+
+@pytest.mark.slow
+def test_the_busy_clock_counts_overlapping_calls_once(servers: list[ServerProcess]) -> None:
+    """busy_s is the time at least one /generate call was in flight; generated_tokens
+    counts the answered output tokens (what gen_tokens_per_s divides)."""
+
+    async def main() -> tuple[float, float, float, int]:
+        async with client_for(servers) as client:
+            start = time.monotonic()
+            await asyncio.gather(*(client.generate([5 + i, 6], GREEDY) for i in range(8)))
+            wall = time.monotonic() - start
+            idle_from = client.busy_s()
+            await asyncio.sleep(0.3)  # nothing in flight: the clock stands still
+            return client.busy_s(), idle_from, wall, client.generated_tokens
+
+    busy, idle_from, wall, tokens = run(main())
+    assert 0 < busy <= wall and busy == idle_from
+    assert tokens == 8 * 4

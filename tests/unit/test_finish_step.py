@@ -63,3 +63,19 @@ def test_a_restarted_controller_takes_a_steps_rollout_figures_from_its_batch(tmp
     write_batch(tmp_path / "rollouts", 9, batch, {"data_state": {}, "stats": stats})
     assert _stored_stats(tmp_path, 9) == stats
     assert _stored_stats(tmp_path, 10) == {}  # no batch: the line has the trainer's part
+
+
+def test_gen_tokens_per_s_is_tokens_over_busy_time_of_the_last_batches() -> None:
+    from areal_cli.rollout.controller import GEN_RATE_WINDOW, LoopState, gen_rate
+
+    state = LoopState(version=0, next_step=0)
+    client = SimpleNamespace(generated_tokens=0, busy_s=lambda: 0.0)
+    rates = []
+    for k in range(1, 9):  # 100 tokens and one busy second per batch, whatever the wall time
+        busy = float(k)
+        client.generated_tokens, client.busy_s = 100 * k, (lambda b=busy: b)
+        rates.append(gen_rate(state, client))
+    assert rates == [100.0] * 8  # steady however the batches' wall times vary
+    assert len(state.gen_marks) == GEN_RATE_WINDOW + 1
+    client.busy_s = lambda: 8.0  # no call in flight since the last batch, no new tokens
+    assert gen_rate(state, client) == 100.0

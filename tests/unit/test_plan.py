@@ -65,7 +65,7 @@ def test_gpu_plan_uses_disjoint_gpus_and_real_commands() -> None:
 
 
 def test_cpu_plan_splits_cores_and_threads() -> None:
-    _, _, plan = _plan("tiny_cpu.yaml")
+    _, _, plan = _plan("tiny_cpu.yaml", "allocation_mode=embedded:d1+fsdp:d2")
     server, trainer = plan.processes
     assert server.cpus == [0] and trainer.cpus == [1]
     assert server.env["OMP_NUM_THREADS"] == "1" and trainer.env["OMP_NUM_THREADS"] == "1"
