@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,27 +32,19 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_trainer import free_port  # noqa: E402
 
 
 def serve(model: Path, dtype: str, prompts: list[list[int]], args, log: Path) -> tuple[float, list]:
     """Tokens/s of one server in `dtype` (best of 2 after a warm-up), and its answers."""
-    from areal_cli.inference.client import InferenceClient
-    from areal_cli.launch.local import start_server
+    from bench_inference import start
 
-    port = _port()
-    argv = [
-        sys.executable, "-m", "areal_cli.inference.server", "--model-path", str(model),
-        "--port", str(port), "--device", "cpu", "--dtype", dtype,
-        "--max-running-requests", str(len(prompts)),
-    ]  # fmt: skip
-    env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    server = start_server(argv, log, f"http://127.0.0.1:{port}", env=env, timeout_s=300)
+    from areal_cli.inference.client import InferenceClient
+
+    setting = argparse.Namespace(threads=args.threads, max_running_requests=len(prompts))
+    server = start(model, setting, log, dtype)
     sampling = {"temperature": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
 
     async def run(n: int) -> tuple[float, list]:
@@ -155,7 +146,7 @@ def main() -> None:
             )
         batch = batch_of(prompts, answers["float32"], group_size=4)
         os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), RANK="0", WORLD_SIZE="1"
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
         )
         dist.init_process_group("gloo")
         steps, logps = {}, {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_trainer import make_batch  # noqa: E402
+from bench_trainer import free_port, make_batch  # noqa: E402
 
 
 def _steps(model, batch, cfg, n: int, layout, version: int | None) -> tuple[list[float], object]:
@@ -70,10 +69,9 @@ def main() -> None:
     from areal_cli.trainer.parallelize import build_sharded_model
 
     torch.set_num_threads(args.threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"
+    )
     dist.init_process_group("gloo")
     work = Path(tempfile.mkdtemp(prefix="areal-profile-"))
     try:
