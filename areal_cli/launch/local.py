@@ -235,10 +235,10 @@ def start_server(
 def wait_ready(
     server: ServerProcess, *, api_key: str = "", timeout_s: float = 300.0, poll_s: float = 0.25
 ) -> None:
-    """Poll /health, then /model_info (with the API key, so a wrong key shows up here
-    rather than on the first request), within one overall deadline."""
+    """Poll /health, then /v1/models (with the API key, so a wrong key shows up here
+    rather than on the first request; every backend has both), within one deadline."""
     deadline = time.monotonic() + timeout_s
-    for path in ("/health", "/model_info"):
+    for path in ("/health", "/v1/models"):
         while (status := _status(server.url + path, api_key)) != 200:
             if status in (401, 403):
                 raise server.failure(f"server {server.url} refused the API key on {path}")

@@ -28,9 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.config.allocation import AllocationMode
+from areal_cli.config.backends import vllm_python
 from areal_cli.config.loader import REDACTED
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.inference.argv import embedded_args, server_env, sglang_args
+from areal_cli.inference.argv import (
+    VLLM_MODULE,
+    embedded_args,
+    server_env,
+    sglang_args,
+    vllm_args,
+    vllm_env,
+)
 from areal_cli.rundir.layout import RUN_SUBDIRS, initial_model_path, run_dir_of
 
 # The trainer's rendezvous host in a plan for several machines; the runner that knows the
@@ -235,6 +243,10 @@ def _server_process(
             "sglang.launch_server",
             *sglang_args(cfg, mode, model, port, index, host=host),
         ]
+    elif mode.inference_backend == "vllm":
+        python = vllm_python(cfg, python)
+        args = vllm_args(cfg, mode, model, port, index, host=host, device_type=device_type)
+        argv = [python, "-m", VLLM_MODULE, *args]
     else:
         argv = [
             python,
@@ -255,6 +267,8 @@ def _server_process(
         env.update(_thread_env(len(devices)))
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(server_env(mode.inference_backend, cfg.inference.api_key))
+    if mode.inference_backend == "vllm":
+        env.update(vllm_env(cfg, device_type, cpus))
     return ProcessSpec(
         name=f"server-{index}",
         role=f"inference ({mode.inference_backend})",

@@ -466,6 +466,7 @@ async def run_loop(
     `guards(client, state)` run beside the tasks, and any of them raising stops the loop;
     `counters` (restarts so far) go into every metrics line; `until_trainer_done` gets
     the loop's ServerRecovery, to bring a restarted server back."""
+    from areal_cli.config.allocation import parse_allocation
     from areal_cli.data.prompts import PromptStream
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
@@ -477,6 +478,7 @@ async def run_loop(
         timeout_s=cfg.rollout.request_timeout_s,
         retries=cfg.rollout.request_retries,
         logs={s.address: s.log for s in servers},
+        backend=parse_allocation(cfg.allocation_mode).inference_backend,
     )
     rewards = RewardPool.from_config(cfg.reward, loaded.recipe.resolve().parent)
     try:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.inference.argv import SGLANG_MISSING, server_argv
+from areal_cli.config.backends import SGLANG_MISSING
+from areal_cli.inference.argv import server_argv
 from areal_cli.launch.local import ServerStartError, start_server
 from tests.conftest import REPO, run_areal
 
@@ -98,8 +99,10 @@ def test_missing_model_exits_2_with_one_line(tmp_path: Path) -> None:
 def test_unknown_builtin_and_backend_exit_2(tmp_path: Path) -> None:
     result = run_areal("serve", "builtin:huge", "--model-cache", str(tmp_path))
     assert result.returncode == 2 and "unknown builtin model 'builtin:huge'" in result.stderr
-    result = run_areal("serve", str(tmp_path), "--backend", "vllm")
+    result = run_areal("serve", str(tmp_path), "--backend", "vlm")
     assert result.returncode == 2 and "--backend must be one of embedded, sglang" in result.stderr
+    result = run_areal("serve", str(tmp_path), "--backend", "vllm", "--python", str(tmp_path))
+    assert result.returncode == 2 and "cannot import vllm with" in result.stderr
     result = run_areal("serve", str(tmp_path), "--dtype", "auto")
     assert result.returncode == 2 and "--dtype for embedded must be one of" in result.stderr
 
@@ -198,7 +201,7 @@ def test_wrong_api_key_fails_fast(tmp_path: Path) -> None:
         f"HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
     )
     start = time.monotonic()
-    with pytest.raises(ServerStartError, match="refused the API key on /model_info"):
+    with pytest.raises(ServerStartError, match="refused the API key on /v1/models"):
         start_server(
             [sys.executable, "-c", code],
             tmp_path / "s.log",

