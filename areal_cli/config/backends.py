@@ -27,14 +27,12 @@ def vllm_python(cfg: ExperimentConfig, python: str) -> str:
 
 def backend_missing(backend: str, python: str) -> str:
     """Why `python` cannot run BACKEND's server ('' when it can)."""
-    module = {"sglang": "sglang", "vllm": "vllm"}.get(backend)
-    if module is None:
+    if backend not in ("sglang", "vllm"):  # the embedded server runs in areal's own venv
         return ""
-    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({backend!r}) is None)"
     try:
-        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
-    except OSError:
-        found = None
-    if found is not None and found.returncode == 0:
-        return ""
+        if subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0:
+            return ""
+    except OSError:  # no such interpreter
+        pass
     return SGLANG_MISSING if backend == "sglang" else VLLM_MISSING.format(python=python)

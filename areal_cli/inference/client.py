@@ -181,15 +181,16 @@ class InferenceClient:
         rid: str | None = None,
     ) -> dict[str, Any]:
         """One /generate request on one server; returns SGLang's response dict."""
-        body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": dict(sampling_params),
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            body["rid"] = rid
         if self.vllm:  # the same request in vLLM's words
             body = vllm_api.generate_body(input_ids, sampling_params, return_logprob, rid)
+        else:
+            body = {
+                "input_ids": list(input_ids),
+                "sampling_params": dict(sampling_params),
+                "return_logprob": return_logprob,
+            }
+            if rid is not None:
+                body["rid"] = rid
         if self._in_flight == 0:
             self._busy_since = time.monotonic()
         self._in_flight += 1
@@ -214,10 +215,7 @@ class InferenceClient:
             body["weight_version"] = str(weight_version)
         if self.vllm:
             version = str(weight_version if weight_version is not None else 0)
-            live = self._live()
-            loads = [self._vllm_load(s, str(model_path), version) for s in live]
-            results = zip(live, await asyncio.gather(*loads), strict=True)
-            pairs = [(s, answer) for s, answer in results if answer is not _WENT_DOWN]
+            pairs = await self._on_live(lambda s: self._vllm_load(s, str(model_path), version))
         else:
             pairs = await self._call_live("/update_weights_from_disk", body, accept_4xx=True)
         answers = [answer for _, answer in pairs]
@@ -254,9 +252,7 @@ class InferenceClient:
         if not self.vllm:
             return await self._call_on(server, "/model_info", None)
         info = await self._call_on(server, vllm_api.WEIGHT_INFO, None)
-        if isinstance(info, dict):
-            info["weight_version"] = vllm_api.version(info.get("weight_version"))
-        return info
+        return vllm_api.info_answer(info) if isinstance(info, dict) else info
 
     async def _vllm_load(self, server: _Server, model_path: str, version: str) -> Any:
         """vLLM's weight update on one server (vllm_api's module docstring): the answer
@@ -302,10 +298,7 @@ class InferenceClient:
 
     async def model_info(self) -> list[dict[str, Any]]:
         """GET /model_info of every server, in address order."""
-        if self.vllm:
-            infos = await asyncio.gather(*(self._model_info_on(s) for s in self._live()))
-            return [info for info in infos if info is not _WENT_DOWN]
-        return await self._call_all("/model_info", None)
+        return [info for _, info in await self._on_live(self._model_info_on)]
 
     async def health(self) -> dict[str, bool]:
         """Whether each server answers GET /health with 200 right now (no retries)."""
@@ -411,12 +404,16 @@ class InferenceClient:
     async def _call_live(
         self, path: str, body: dict[str, Any] | None, **kw: Any
     ) -> list[tuple[_Server, Any]]:
-        """The same call on every server that is up (each with its own retries), in
-        address order, with each answer; a server that goes down meanwhile is left out.
-        Every call finishes before the first error is raised, so no call is left running."""
+        """The same call on every server that is up (each with its own retries); see
+        `_on_live`."""
+        return await self._on_live(lambda s: self._call_on(s, path, body, **kw))
+
+    async def _on_live(self, call: Callable[[_Server], Any]) -> list[tuple[_Server, Any]]:
+        """`call(server)` on every server that is up, in address order, with each answer;
+        a server that goes down meanwhile (_WENT_DOWN) is left out. Every call finishes
+        before the first error is raised, so no call is left running."""
         live = self._live()
-        calls = (self._call_on(s, path, body, **kw) for s in live)
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await asyncio.gather(*(call(s) for s in live), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -62,6 +62,12 @@ def version(label: Any) -> str:
     return "0" if label in (None, STARTING_VERSION) else str(label)
 
 
+def info_answer(info: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's /weight_info answer with the version in this product's terms (/model_info's
+    `weight_version`)."""
+    return {**info, "weight_version": version(info.get("weight_version"))}
+
+
 def pause_path(mode: str) -> str:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
@@ -139,12 +145,12 @@ RESET_CACHE = "/reset_prefix_cache"
 RESET_CACHE_AND_RESTART = "/reset_prefix_cache?reset_running_requests=true"
 
 
-def weight_update(model_path: str, version: str) -> list[tuple[str, dict[str, Any]]]:
-    """Steps 2-4 of the module docstring, as (path, body); step 1 and 5 wrap them. When
-    the plain reset answers success: false (requests in flight hold cached blocks), the
-    client repeats it as RESET_CACHE_AND_RESTART."""
+def weight_update(model_path: str, label: str) -> list[tuple[str, dict[str, Any]]]:
+    """Steps 1-3 of the module docstring, as (path, body). When the plain reset answers
+    success: false (requests in flight hold cached blocks), the client repeats it as
+    RESET_CACHE_AND_RESTART."""
     return [
         ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}}),
         (RESET_CACHE, {}),
-        ("/update_weight_version", {"new_version": version}),
+        ("/update_weight_version", {"new_version": label}),
     ]

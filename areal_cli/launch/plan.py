@@ -266,9 +266,10 @@ def _server_process(
         cpus = devices
         env.update(_thread_env(len(devices)))
         env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(server_env(mode.inference_backend, cfg.inference.api_key))
     if mode.inference_backend == "vllm":
         env.update(vllm_env(cfg, device_type, cpus))
+    else:
+        env.update(server_env(mode.inference_backend, cfg.inference.api_key))
     return ProcessSpec(
         name=f"server-{index}",
         role=f"inference ({mode.inference_backend})",
