@@ -256,13 +256,34 @@ class InferenceClient:
 
     async def _vllm_load(self, server: _Server, model_path: str, version: str) -> Any:
         """vLLM's weight update on one server (vllm_api's module docstring): the answer
-        in /update_weights_from_disk's shape, or _WENT_DOWN."""
+        in /update_weights_from_disk's shape, or _WENT_DOWN. The server is paused with
+        its requests kept around the load and always resumed after it."""
         refused = vllm_api.folder_problem(model_path)
         if refused:
             return {"success": False, "message": refused}
         epoch = server.epoch
-        for path, body in vllm_api.weight_update(model_path, version):
-            try:  # one attempt: a refused folder fails the same way every time
+        failed = await self._vllm_steps(server, [(vllm_api.PAUSE_KEEP, {})], epoch)
+        if failed is None:
+            try:
+                failed = await self._vllm_steps(
+                    server, vllm_api.weight_update(model_path, version), epoch
+                )
+            finally:
+                resumed = await self._vllm_steps(server, [(vllm_api.RESUME, {})], epoch)
+            failed = failed or resumed
+        if failed is not None:
+            return failed
+        info = await self._model_info_on(server)
+        return _WENT_DOWN if info is _WENT_DOWN else {"success": True, **info}
+
+    async def _vllm_steps(
+        self, server: _Server, steps: list[tuple[str, dict[str, Any]]], epoch: int
+    ) -> Any:
+        """POST each (path, body) once, in order (a refused folder fails the same way
+        every time); None when all succeeded, else the failure in
+        /update_weights_from_disk's shape, or _WENT_DOWN."""
+        for path, body in steps:
+            try:
                 answer = await self._attempt(server, "POST", path, body, accept_4xx=True)
                 if path == vllm_api.RESET_CACHE and not _accepted(answer):
                     path = vllm_api.RESET_CACHE_AND_RESTART
@@ -273,8 +294,7 @@ class InferenceClient:
                 return {"success": False, "message": f"{path}: {exc.reason}"}
             if isinstance(answer, dict) and ("error" in answer or answer.get("success") is False):
                 return {"success": False, "message": f"{path}: {_error_message(answer)}"}
-        info = await self._model_info_on(server)
-        return _WENT_DOWN if info is _WENT_DOWN else {"success": True, **info}
+        return None
 
     def set_down(self, address: str) -> None:
         """Take a server out of routing while it restarts (see the module docstring)."""

@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
+from torch.profiler import record_function
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from areal_cli.config.schema import DTYPES, torch_dtype
+from areal_cli.inference import attention
 from areal_cli.inference.api import (
     EngineStats,
     GenerateOutput,
@@ -134,6 +136,7 @@ class InferenceEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype(dtype))
         self.model.to(self.device).eval()
+        self._sdpa = attention.use_for(self.model)  # else keeps its own (eager, ...)
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = context_length or int(
@@ -357,8 +360,10 @@ class InferenceEngine:
     def _step(self) -> None:
         """Admit, then decode once; an unexpected error fails the batch, not the thread."""
         try:
-            self._admit()
-            self._decode()
+            with record_function("admit"):  # named spans in scripts/profile_inference.py
+                self._admit()
+            with record_function("decode"):
+                self._decode()
         except Exception as exc:
             logger.exception("scheduler step failed; failing %d requests", len(self._batch.seqs))
             for seq in self._batch.seqs:
@@ -449,7 +454,7 @@ class InferenceEngine:
         batch = self._batch
         if not batch.seqs:
             return
-        inputs = batch.decode_inputs(self.device, self.config._attn_implementation == "sdpa")
+        inputs = batch.decode_inputs(self.device, self._sdpa)
         logits = self._forward(**inputs, cache=batch.cache)
         batch.keep(self._advance(batch.seqs, logits))
 

@@ -109,36 +109,65 @@ def _truncation_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return keep
 
 
+BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF in _draw
+
+
 def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
     """Inverse-CDF sample of each row in vocabulary order, with one uniform draw from each
     request's own RNG (so a request's tokens do not depend on its batch neighbours).
 
     Vocabulary order (not probability order) keeps the draw stable under tiny float
-    differences between batched and solo runs.
+    differences between batched and solo runs. Two levels: the running sum (float64) of
+    the per-block masses (float32 sums of BLOCK probabilities) finds the block where the
+    draw falls, and the running sum inside that one block finds the token. The same pick
+    as one float64 running sum over the whole vocabulary but for draws within float32
+    rounding of a block edge, at a third of its cost: the full cumsum, with its float64
+    copy, took ~30 ms of a ~290 ms decode step at [128, 49152].
+    The pick always has a nonzero probability.
     """
     probs = logprobs.exp()
-    vocab = probs.shape[-1]
+    rows, vocab = probs.shape
     for row, seq in enumerate(seqs):
         top_k, top_p = seq.params.top_k, seq.params.top_p
         if 0 < top_k < vocab or top_p < 1.0:
             keep = _truncation_mask(probs[row], top_k, top_p)
             probs[row] = torch.where(keep, probs[row], 0.0)
-    cdf = torch.cumsum(probs.double(), dim=-1)
+    blocks = torch.nn.functional.pad(probs, (0, (-vocab) % BLOCK)).view(rows, -1, BLOCK)
+    block_cdf = torch.cumsum(blocks.sum(-1).double(), dim=-1)
+    total = block_cdf[:, -1]
     u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return picks.clamp(max=vocab - 1)
+    # u < 1, but u * total may round up to total
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, target[:, None], right=True)[:, 0]
+    before = torch.where(
+        block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0
+    )
+    inside = blocks[torch.arange(rows), block]  # [rows, BLOCK]
+    inner_cdf = torch.cumsum(inside.double(), dim=-1)
+    offset = torch.searchsorted(inner_cdf, (target - before)[:, None], right=True)[:, 0]
+    # rounding between the two levels may put the draw past the block's own sum: its
+    # last token with a nonzero probability then
+    last = BLOCK - 1 - torch.argmax(torch.flip(inside > 0, dims=[-1]).int(), dim=-1)
+    return block * BLOCK + torch.minimum(offset, last)
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[SeqState]) -> list[tuple[int, float]]:
-    """Pick the next token and its logprob for each row of `logits` ([B, V], float32, CPU)."""
-    tokens = torch.argmax(logits, dim=-1)  # greedy picks, on the raw logits as HF does
-    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy and s.generator is not None]
-    if any(not s.params.greedy for s in seqs):
-        temps = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs])
-        logits = logits / temps[:, None]
+    """Pick the next token and its logprob for each row of `logits` ([B, V], float32, CPU).
+    Full-vocabulary work is done once per step for the whole batch, and skipped where it
+    cannot change the result (no greedy row, every temperature 1)."""
+    rows = len(seqs)
+    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    greedy = sorted(set(range(rows)) - set(drawn))
+    tokens = torch.zeros(rows, dtype=torch.long)
+    if greedy:  # greedy picks, on the raw logits as HF does
+        tokens[greedy] = torch.argmax(logits if not drawn else logits[greedy], dim=-1)
+    temps = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps)[:, None]
     logprobs = torch.log_softmax(logits, dim=-1)
     if drawn:
-        tokens[drawn] = _draw(logprobs[drawn], [seqs[i] for i in drawn])
+        part = logprobs if not greedy else logprobs[drawn]
+        tokens[drawn] = _draw(part, [seqs[i] for i in drawn])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     # One conversion per step: per-row .item() calls dominate small models.
     return list(zip(tokens.tolist(), chosen.tolist(), strict=True))

@@ -18,22 +18,25 @@ Loading new weights from a folder. vLLM has no SGLang-style update_weights_from_
 route. Its supported way is the worker method `reload_weights(weights_path=...)` (what
 `LLM.collective_rpc("reload_weights")` runs offline), reached over HTTP through
 /collective_rpc. It reloads the safetensors of that folder in place: no restart, no
-re-allocation of the KV cache (0.05-0.08 s for the tiny model here). The steps:
-  1. /collective_rpc  reload_weights from RUN/weights/vN. The worker runs it between two
-     forward passes, so no step sees half-loaded weights;
+re-allocation of the KV cache (0.05-0.08 s for the tiny model here). The steps, the
+same interrupt as the embedded server's (a request in flight goes on with the new
+weights, and the token where they changed starts a new weight_versions span):
+  0. /pause?mode=keep  stops the scheduler between two forward passes; the requests in
+     flight stay queued with their KV cache (vLLM's "keep" mode, the one its RL examples
+     use);
+  1. /collective_rpc  reload_weights from RUN/weights/vN;
   2. /reset_prefix_cache  drops the prefix cache built with the old weights. With prefix
      caching off (inference.vllm.enable_prefix_caching: false, the default) there is
-     none, and the requests in flight continue on the new weights from their KV cache,
-     as on the embedded server. With it on, the cache cannot be dropped while requests
-     hold blocks, so it is dropped with reset_running_requests=true: vLLM preempts them
-     and they start again from the prompt on the new weights (the tokens they had are
-     lost, and a request longer than the interval between updates may never finish);
-  3. /update_weight_version  labels the tokens sampled from now on (the spans).
-Not paused around it: vLLM's /pause?mode=keep returns only once the engine is idle, which
-with requests running took from 0.03 s to the rest of the request here. Without it, the
-steps decoded between 1 and 3 (two local HTTP calls, a few ms) are labelled one version
-older than the weights that sampled them: staleness is overstated for those tokens, never
-understated, and their logprobs are the ones actually sampled with.
+     none, and the kept requests continue on the new weights from their KV cache, as on
+     the embedded server. With it on, the cache cannot be dropped while requests hold
+     blocks, so it is dropped with reset_running_requests=true: vLLM preempts them and
+     they start again from the prompt on the new weights (the tokens they had are lost,
+     and a request longer than the interval between updates may never finish);
+  3. /update_weight_version  labels the tokens sampled from now on (the spans);
+  4. /resume, also when a step failed, so that no server is left paused.
+Every token is labelled with the weights that sampled it. On this 2-core machine vLLM
+answered a control call (/pause, /weight_info) now and then only after 1.5-2 s, while
+it went on generating; the update then lands that much later, never mislabelled.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from typing import Any
 
 GENERATE = "/inference/v1/generate"
 WEIGHT_INFO = "/weight_info"
-RESUME = "/resume"  # after /pause (pause_generation); weight updates do not pause
+PAUSE_KEEP = "/pause?mode=keep"
+RESUME = "/resume"
 ABORT_ALL = "/abort_requests"
 
 # what vLLM labels the weights it started with; the run calls them version 0
@@ -146,7 +150,8 @@ RESET_CACHE_AND_RESTART = "/reset_prefix_cache?reset_running_requests=true"
 
 
 def weight_update(model_path: str, label: str) -> list[tuple[str, dict[str, Any]]]:
-    """Steps 1-3 of the module docstring, as (path, body). When the plain reset answers
+    """Steps 1-3 of the module docstring (between the pause and the resume), as
+    (path, body). When the plain reset answers
     success: false (requests in flight hold cached blocks), the client repeats it as
     RESET_CACHE_AND_RESTART."""
     return [

@@ -1,0 +1,50 @@
+"""The embedded engine's two-level inverse-CDF draw against one running sum over the vocabulary."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from areal_cli.inference.sampling import BLOCK, _draw
+
+
+def _seqs(rows: int, seed: int) -> list[SimpleNamespace]:
+    return [
+        SimpleNamespace(
+            generator=torch.Generator().manual_seed(seed * 1000 + i),
+            params=SimpleNamespace(top_k=0, top_p=1.0),
+        )
+        for i in range(rows)
+    ]
+
+
+def _reference(logprobs: torch.Tensor, seqs: list[SimpleNamespace]) -> torch.Tensor:
+    cdf = torch.cumsum(logprobs.exp().double(), dim=-1)
+    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+
+
+def test_two_level_draw_matches_one_running_sum() -> None:
+    torch.manual_seed(0)
+    differ = drawn = 0
+    for seed, vocab in enumerate([BLOCK * 3, 1000, 49152, 7]):
+        logits = torch.randn(64, vocab) * (1 + seed)
+        if seed % 2:  # zero-probability entries, and a last block that is partly padding
+            logits[:, : vocab // 2] = -float("inf")
+        logprobs = torch.log_softmax(logits, dim=-1)
+        picks = _draw(logprobs.clone(), _seqs(64, seed))
+        assert bool((logprobs.gather(1, picks[:, None]) > -float("inf")).all())
+        differ += int((picks != _reference(logprobs, _seqs(64, seed))).sum())
+        drawn += 64
+    assert differ <= 1, f"{differ} of {drawn} draws differ from one running sum"
+
+
+def test_draw_follows_the_distribution_and_truncation() -> None:
+    logprobs = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]])).expand(4000, -1).contiguous()
+    counts = torch.bincount(_draw(logprobs.clone(), _seqs(4000, 9)), minlength=4) / 4000
+    assert counts[1] == 0 and torch.allclose(counts, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.03)
+    seqs = _seqs(200, 3)
+    for s in seqs:
+        s.params.top_k = 1
+    assert set(_draw(logprobs[:200].clone(), seqs).tolist()) == {2}
