@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,16 +88,39 @@ def _server_pid(run_dir: Path) -> int:
     raise AssertionError("no server process")
 
 
+def _served_version(pid: int) -> int:
+    """The weight version a running embedded server reports (GET /model_info), found
+    through its command line (--port) and environment (AREAL_API_KEY)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    port = argv[argv.index("--port") + 1]
+    env = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+        if "=" in item
+    )
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/model_info")
+    if env.get("AREAL_API_KEY"):
+        request.add_header("Authorization", f"Bearer {env['AREAL_API_KEY']}")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return int(json.loads(answer.read())["weight_version"])
+
+
 def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path)
-    args = _args(tmp_path, 6, "rollout.max_staleness=1")
+    # enough steps that the kill, after the second one, lands well before the end: a
+    # step of the tiny model takes ~0.1 s here
+    steps = 16
+    args = _args(tmp_path, steps, "rollout.max_staleness=1")
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, proc)
-        held = max(e.version for e in handoff.list_entries(run_dir / "weights", "v"))
-        os.kill(_server_pid(run_dir), signal.SIGKILL)
+        # what the server held, not the newest published: a version the trainer has just
+        # written may not be loaded yet, and a restart loads what the live servers hold
+        pid = _server_pid(run_dir)
+        held = _served_version(pid)
+        os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=400)
     finally:
         proc.kill()
@@ -107,6 +131,6 @@ def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path) -
     served = int(back[0].rsplit("v", 1)[1])
     assert served >= held  # the newest weights the servers held when it died, or newer
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(steps))
     assert rows[-1]["server_restarts"] == 1 and "requests_reissued" in rows[-1]
     _assert_no_processes_left(run_dir)
