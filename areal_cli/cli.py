@@ -98,12 +98,13 @@ def train(
     in_allocation: bool = typer.Option(False, "--in-allocation", hidden=True),
 ) -> None:
     """Train with asynchronous RL as the recipe says."""
-    from areal_cli.launch.plan import build_plan, ensure_server_key
+    from areal_cli.launch.plan import build_plan, ensure_server_key, new_run_id, pick_ports
 
     loaded, result = _load_and_check(recipe, overrides, "train", launch=not dry_run)
     if not dry_run:
         ensure_server_key(loaded.config)
-    plan = build_plan(loaded.config, result.allocation)
+    ports = pick_ports(loaded.config, result.allocation)  # a dry run shows what it would pick
+    plan = build_plan(loaded.config, result.allocation, ports=ports, run_id=new_run_id())
     submit = plan.launcher == "slurm" and not in_allocation
     if dry_run:
         from areal_cli.launch.display import print_dry_run
@@ -293,16 +294,19 @@ def _die(message: str) -> NoReturn:
 def _serve_model_path(model: str, cache: Path) -> str:
     """A model folder for `serve`: builtin models are built in `cache` on first use."""
     if model.startswith("builtin:"):
-        from areal_cli.config.schema import BUILTIN_MODELS, ModelConfig
+        from areal_cli.config.schema import BUILTIN_MODELS, ExperimentConfig
+        from areal_cli.launch.train import build_builtin
         from areal_cli.models.builtin import materialize
-        from areal_cli.rollout.rewards import numeric
 
-        preset, seed = model.removeprefix("builtin:"), ModelConfig().seed
+        cfg = ExperimentConfig()
+        cfg.model.path = model
+        preset, seed = model.removeprefix("builtin:"), cfg.model.seed
         if preset not in BUILTIN_MODELS:
             _die(
                 f"unknown builtin model {model!r}; choose one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}"
             )
-        return str(materialize(preset, seed, cache / f"{preset}-seed{seed}", numeric))
+        build_builtin(cfg, lambda line: typer.echo(f"[areal] {line}", err=True))
+        return str(materialize(preset, seed, cache / f"{preset}-seed{seed}"))
     path = Path(model).expanduser()
     if not path.is_dir():
         _die(f"model folder {model} does not exist (give a folder, or builtin:tiny-arith)")
@@ -433,10 +437,11 @@ def eval_command(
     from rich.table import Table
 
     from areal_cli.evaluation.run import EvalInputError, run_eval
-    from areal_cli.launch.plan import build_plan
+    from areal_cli.launch.plan import build_plan, new_run_id, pick_ports
 
     loaded, result = _load_and_check(recipe, overrides, "eval", launch=True)
-    plan = build_plan(loaded.config, result.allocation)
+    ports = pick_ports(loaded.config, result.allocation)
+    plan = build_plan(loaded.config, result.allocation, ports=ports, run_id=new_run_id())
     _check_ports_free([p for p in plan.processes if p.name != "trainer"], recipe)
     console = Console(highlight=False)
     try:

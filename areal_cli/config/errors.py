@@ -20,6 +20,11 @@ class Location:
 
 
 COMMAND_LINE = Location("command line")
+# The one rule for relative paths (config.loader); error texts and the README say it so.
+PATH_RULE = (
+    "a relative path counts from the folder of the YAML file that sets it, "
+    "or from the working directory when it is given on the command line"
+)
 
 
 @dataclass(frozen=True)

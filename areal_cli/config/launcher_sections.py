@@ -93,12 +93,15 @@ class LauncherConfig:
         choices=("local", "slurm", "ray"),
     )
     trainer_port: int = field(
-        29500, "Rendezvous port of the torchrun trainer (c10d).", ge=1024, le=65535
+        0,
+        "Rendezvous port of the torchrun trainer (c10d); 0: one picked at launch (on the local launcher torchrun binds a free port itself, so two runs never meet).",
+        ge=0,
+        le=65535,
     )
     inference_base_port: int = field(
-        30000,
-        "Port of the first inference server; server i listens on base + i.",
-        ge=1024,
+        0,
+        "Port of the first inference server; server i listens on base + i. 0: each server gets a free port picked at launch, so runs started together never share one.",
+        ge=0,
         le=65535,
     )
     startup_timeout_s: float = field(

@@ -8,8 +8,10 @@ the referenced value's type.
 
 Relative paths in path fields (model.path, dataset.path, ...) are taken relative to the
 directory of the YAML file that set them, so a recipe works from any working directory;
-paths given on the command line are relative to the working directory. `defaults:` entries
-are looked up next to the recipe, then in each parent directory in turn.
+paths given on the command line are relative to the working directory (errors say so
+through errors.PATH_RULE). `defaults:` entries are looked up next to the recipe, then in
+each parent directory in turn, then among the fragments shipped in the package
+(areal_cli/yaml/), so a recipe copied anywhere still finds yaml/cluster/local_cpu.yaml.
 
 Every problem is collected with its key path and file:line before anything is raised.
 """
@@ -167,14 +169,26 @@ def _display_path(path: Path) -> str:
 # ---------------------------------------------------------------- composition
 
 
+# The fragments areal ships (areal_cli/yaml/: cluster/, engine/, inference/), which a
+# `defaults:` entry such as yaml/cluster/local_cpu.yaml finds wherever the recipe lives.
+PACKAGED_DEFAULTS = Path(__file__).resolve().parents[1]
+
+
 def _find_default(name: str, base_dir: Path) -> Path | None:
+    """A `defaults:` entry: beside the recipe (or in a folder above it) first, then among
+    the fragments shipped with areal."""
     candidate = Path(name).expanduser()
     if candidate.is_absolute():
         return candidate if candidate.is_file() else None
-    for directory in [base_dir, *base_dir.parents]:
+    for directory in [base_dir, *base_dir.parents, PACKAGED_DEFAULTS]:
         if (directory / candidate).is_file():
             return directory / candidate
     return None
+
+
+def _packaged_fragments() -> str:
+    found = sorted(PACKAGED_DEFAULTS.glob("yaml/*/*.yaml"))
+    return ", ".join(str(f.relative_to(PACKAGED_DEFAULTS)) for f in found) or "none installed"
 
 
 def _compose(path: Path, out: _Collector, stack: tuple[Path, ...] = ()) -> tuple[dict, dict]:
@@ -203,7 +217,8 @@ def _compose(path: Path, out: _Collector, stack: tuple[Path, ...] = ()) -> tuple
             out.add(
                 "defaults",
                 f"defaults file not found: {name}",
-                f"looked next to {_display_path(path)} and in its parent directories",
+                f"looked next to {_display_path(path)}, in the folders above it and among "
+                f"areal's own fragments ({_packaged_fragments()})",
                 where,
             )
             continue

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from areal_cli.config.allocation import AllocationMode
+from areal_cli.config.errors import PATH_RULE
 from areal_cli.config.model_info import model_config
 from areal_cli.config.schema import RL_ACTOR_KEYS, RL_SECTIONS, ROLE_SECTIONS
 
@@ -68,7 +69,7 @@ def check_critic(c: Checker, mode: AllocationMode | None, launch: bool) -> None:
         )
     path = c.cfg.critic.path
     if path and c.valid("critic.path") and not Path(path).exists():
-        fix = "check the path (relative paths count from the recipe's folder), or leave it empty"
+        fix = f"check the path ({PATH_RULE}), or leave it empty"
         if launch:
             c.error("critic.path", f"model path does not exist: {path}", fix)
         else:  # a plan needs no weights (DESIGN §1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
-from areal_cli.config.errors import ConfigErrors, ConfigProblem
+from areal_cli.config.errors import PATH_RULE, ConfigErrors, ConfigProblem
 from areal_cli.config.launcher_rules import check_nodes, check_slurm
 from areal_cli.config.loader import LoadedConfig, is_hub_id
 from areal_cli.config.model_info import (
@@ -365,17 +365,27 @@ def _check_rollout(c: _Checker) -> None:
 
 
 def _check_ports(c: _Checker, mode: AllocationMode) -> None:
-    """The trainer's rendezvous port against the servers' ports (base, base + 1, ...)."""
+    """Fixed ports: outside the privileged range, and the trainer's rendezvous port apart
+    from the servers' ports (base, base + 1, ...). 0 picks free ports at launch."""
     if not c.valid("launcher.trainer_port", "launcher.inference_base_port"):
         return
-    base, n = c.cfg.launcher.inference_base_port, mode.n_servers
-    if c.cfg.launcher.trainer_port in range(base, base + n):
+    launcher = c.cfg.launcher
+    for key in ("trainer_port", "inference_base_port"):
+        port = getattr(launcher, key)
+        if 0 < port < 1024:
+            c.error(
+                f"launcher.{key}",
+                f"{port} is a privileged port",
+                "use 0 (a free port picked at launch) or a port from 1024 to 65535",
+            )
+    base, n = launcher.inference_base_port, mode.n_servers
+    if base and launcher.trainer_port in range(base, base + n):
         span = f"{base}" if n == 1 else f"{base}..{base + n - 1}"
         c.error(
             "launcher.trainer_port",
-            f"{c.cfg.launcher.trainer_port} is also an inference server's port "
+            f"{launcher.trainer_port} is also an inference server's port "
             f"(servers listen on {span})",
-            f"pick a port other than {span}",
+            f"pick a port other than {span}, or 0 for a free one",
         )
 
 
@@ -481,7 +491,7 @@ def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str)
         fix = f"download it first with `hf download {flag}{value}`, or give a local folder"
         (c.error if launch else c.warn)(key, message, fix)
         return None
-    fix = "check the path (relative paths count from the recipe's folder)"
+    fix = f"check the path ({PATH_RULE})"
     if what == "dataset" or launch:
         c.error(key, f"{what} path does not exist: {value}", fix)
     else:  # a plan needs no weights (DESIGN §1); a real run refuses to start without them

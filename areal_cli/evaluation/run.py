@@ -60,11 +60,10 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Chec
     """The HF folder to serve for `--checkpoint` (or the recipe's initial model)."""
     if checkpoint is None:
         if cfg.model.path.startswith("builtin:"):
-            from areal_cli.models.builtin import build_cached
-            from areal_cli.rollout.rewards import numeric
+            from areal_cli.launch.train import build_builtin
 
             # Served from the cache: an eval of the initial model creates no run folder.
-            built = build_cached(cfg.model.path.split(":", 1)[1], cfg.model.seed, numeric)
+            built = build_builtin(cfg, lambda line: print(f"[areal] {line}", flush=True))
             return Checkpoint(built, "initial", None, built)
         path = Path(cfg.model.path)
         return Checkpoint(path, "initial", None, path)
@@ -238,6 +237,7 @@ async def _score_all(
         retries=cfg.rollout.request_retries,
         logs={a: p.log for a, p in zip(addresses, plan.processes, strict=True)},
         backend=parse_allocation(cfg.allocation_mode).inference_backend,
+        served_model=plan.served_model,
     )
     rewards = RewardPool.from_config(ev.reward, loaded.recipe.resolve().parent)
     samples_file = out / SAMPLES_FILE

@@ -130,6 +130,7 @@ def sglang_args(
     index: int,
     *,
     host: str = "127.0.0.1",
+    served_name: str | None = None,
 ) -> list[str]:
     """Flags for `python -m sglang.launch_server`, named as in SGLang's server_args.py."""
     s = cfg.inference.sglang
@@ -162,6 +163,7 @@ def sglang_args(
             "--chunked-prefill-size": s.chunked_prefill_size,
             "--attention-backend": s.attention_backend,
             "--tokenizer-path": cfg.model.tokenizer_path or None,
+            "--served-model-name": served_name,
             "--api-key": cfg.inference.api_key or None,
         }
     )
@@ -184,6 +186,7 @@ def vllm_args(
     *,
     host: str = "127.0.0.1",
     device_type: str = "cpu",
+    served_name: str | None = None,
 ) -> list[str]:
     """Flags for `python -m vllm.entrypoints.openai.api_server`, named as in vLLM's parser.
     --enable-scale-out turns on /inference/v1/generate, the token-in, token-out route with
@@ -216,6 +219,7 @@ def vllm_args(
             "--max-model-len": v.max_model_len,
             "--max-num-seqs": v.max_num_seqs,
             "--tokenizer": cfg.model.tokenizer_path or None,
+            "--served-model-name": served_name,
             "--api-key": cfg.inference.api_key or None,
         }
     )
@@ -231,6 +235,7 @@ def embedded_args(
     device_type: str,
     *,
     host: str = "127.0.0.1",
+    served_name: str | None = None,
 ) -> list[str]:
     """Flags of the embedded server (areal_cli.inference.server); a subset of SGLang's."""
     e = cfg.inference.embedded
@@ -248,4 +253,5 @@ def embedded_args(
         "--device",
         device,
     ]
+    args += _given({"--served-model-name": served_name})
     return args  # the key travels in the environment (server_env)

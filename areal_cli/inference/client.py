@@ -14,6 +14,12 @@ HTTP 4xx is the caller's fault and is raised at once as `RequestRejected`. When 
 run out, `ServerUnavailable` names the server(s), says what went wrong and points to the
 server's log when the client was given one.
 
+Identity: a client made with `served_model` (a run's: launch.plan.served_name) takes a
+server only once its /v1/models lists that name (`wait_healthy`, `check_identity`). A
+server that answers with another name, or refuses the run's key, holds a port of this run
+without being one of its servers (another run's, started at the same moment), and is
+`ForeignServer`, never a silent stand-in.
+
 Restarts: the controller takes a server that died out of routing (`set_down`) until its
 new process is healthy and holds the current weights (`set_up`). Meanwhile `generate`
 goes to the other servers, or waits for one to come back; an attempt that failed on the
@@ -55,6 +61,10 @@ class RequestRejected(InferenceError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class ForeignServer(InferenceError):
+    """A server at one of the run's addresses is not one of the run's servers."""
 
 
 class WeightUpdateFailed(InferenceError):
@@ -126,6 +136,7 @@ class InferenceClient:
         logs: Mapping[str, str] | None = None,
         backoff_s: float = 0.5,
         backend: str = "sglang",
+        served_model: str = "",
     ) -> None:
         if not addresses:
             raise ValueError("give at least one server address")
@@ -143,6 +154,7 @@ class InferenceClient:
         self.policy = policy
         self.backoff_s = backoff_s
         self.vllm = backend == "vllm"  # else SGLang's routes (SGLang and embedded)
+        self.served_model = served_model  # the identity its servers must show ('' : any)
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self.reissued = 0  # generate attempts re-issued after their server died
@@ -370,6 +382,8 @@ class InferenceClient:
                 on_poll(status)
             down = [s for s in self.servers if not status[s.address]]
             if not down:
+                for server in self.servers:
+                    await self.check_identity(server.address)
                 return
             if time.monotonic() + interval_s > deadline:
                 names = ", ".join(s.address for s in down)
@@ -377,6 +391,36 @@ class InferenceClient:
                     f"server(s) {names} not healthy after {timeout_s:g}s{self._log_hint(down)}"
                 )
             await asyncio.sleep(interval_s)
+
+    async def check_identity(self, address: str) -> None:
+        """Raise `ForeignServer` unless the server at `address` lists `served_model` on
+        /v1/models (every backend has the route); nothing to check without one."""
+        if not self.served_model:
+            return
+        server = self._server(address)
+        try:
+            answer = await self._attempt(server, "GET", "/v1/models", None, accept_4xx=True)
+        except _Retryable as exc:
+            raise self._unavailable("/v1/models", {server.address: exc.reason}) from None
+        names = [
+            str(card.get("id"))
+            for card in (answer.get("data") or [] if isinstance(answer, dict) else [])
+            if isinstance(card, dict)
+        ]
+        if self.served_model in names:
+            return
+        port = server.address.rsplit(":", 1)[-1]
+        seen = (
+            f"it serves {', '.join(repr(n) for n in names)}"
+            if names
+            else f"it answered /v1/models with {_error_message(answer)!r}"
+        )
+        raise ForeignServer(
+            f"the server at {server.address} is not this run's ({seen}; this run's serve "
+            f"{self.served_model!r}): another process holds port {port}, so this run's "
+            f"server could not bind it{self._log_hint([server])}; stop that process or "
+            "leave launcher.inference_base_port at 0 (free ports)"
+        )
 
     # ------------------------------------------------------------------ routing
 

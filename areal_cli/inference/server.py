@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -515,7 +516,13 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await web.TCPSite(runner, args.host, args.port).start()
-        logger.info("serving %s on http://%s:%d", Path(args.model_path).name, args.host, args.port)
+        logger.info(
+            "serving %s as %r on http://%s:%d",
+            Path(args.model_path).name,
+            name,
+            args.host,
+            args.port,
+        )
         await stop.wait()
         logger.info("shutting down")
     finally:
@@ -535,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve(args))
     except OSError as exc:  # e.g. the port is taken
-        logger.error("%s", exc)
+        if exc.errno == errno.EADDRINUSE:
+            logger.error("port %d on %s is already in use by another process", args.port, args.host)
+        else:
+            logger.error("%s", exc)
         return 1
     return 0
 

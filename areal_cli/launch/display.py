@@ -48,8 +48,12 @@ def print_plan(
             devices = f"node {','.join(map(str, proc.nodes))}: {devices}"
         elif plan.launcher == "ray":  # Ray picks the node of each bundle
             devices = f"ray bundle {plan.processes.index(proc)}: {devices}"
-        table.add_row(proc.name, proc.role, devices, ",".join(map(str, proc.ports)), proc.log)
+        ports = ",".join(map(str, proc.ports)) or (
+            "free (torchrun)" if proc.name == "trainer" else "-"
+        )
+        table.add_row(proc.name, proc.role, devices, ports, proc.log)
     console.print(table)
+
     for proc in plan.processes:
         argv = [REDACTED if secret and a == secret else a for a in proc.argv]
         console.print(f"[bold]{proc.name}[/bold] command:", soft_wrap=True)
@@ -91,6 +95,12 @@ def print_dry_run(
         return
     console = Console()
     print_plan(plan, console, secret=secret, trainer=trainer)
+    launcher = loaded.config.launcher
+    if not (launcher.inference_base_port and launcher.trainer_port):
+        console.print(
+            "ports: launcher ports left at 0 are free ones picked now; a launch picks again",
+            markup=False,
+        )
     if script is not None:
         job = Path(plan.run_dir) / "slurm" / "job.sbatch"
         console.print(f"[bold]Slurm batch script[/bold] (written to {job} and given to sbatch):")

@@ -12,6 +12,16 @@ the nodes its ranks need, with the same number of ranks on each; torchrun's rend
 host is HEAD_NODE, which the Slurm runner replaces with the first node's address, and
 servers listen on every interface (the controller finds them through RUN/registry/).
 
+Ports: `launcher.inference_base_port` and `launcher.trainer_port` at 0 (the default) mean
+"free ports": `pick_ports` (the one part here that asks the machine) finds them just before
+a launch, and the plan gets them as `Ports`. The local trainer then runs torchrun with
+`--standalone`, which binds a free rendezvous port itself. Fixed ports stay an option.
+
+Identity: every run has a random `run_id`, and its servers serve the model under
+`served_name(run_id)` (--served-model-name, a flag of all three backends). The controller
+talks only to servers that list that name on /v1/models, so a port that another run's
+server holds is an error, never a silent stand-in (`InferenceClient.check_identity`).
+
 Devices: on a GPU cluster, inference servers get the first GPUs and the trainer the next
 ones, disjoint, through CUDA_VISIBLE_DEVICES. On a CPU cluster, cores are split in two
 halves (inference side first, at least one core each side) and pinned with CPU affinity;
@@ -44,6 +54,60 @@ from areal_cli.rundir.layout import RUN_SUBDIRS, initial_model_path, run_dir_of
 # The trainer's rendezvous host in a plan for several machines; the runner that knows the
 # job's nodes replaces it with the first one's address.
 HEAD_NODE = "{head_node}"
+
+
+def served_name(run_id: str) -> str:
+    """The model name a run's servers serve: the run's identity on /v1/models."""
+    return f"areal-run-{run_id}"
+
+
+def new_run_id() -> str:
+    """A fresh random run identity (16 hex digits)."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The ports of a launch: one per server, and the trainer's rendezvous port (0 on the
+    local launcher: torchrun --standalone binds a free one itself)."""
+
+    servers: tuple[int, ...]
+    trainer: int
+
+
+def pick_ports(cfg: ExperimentConfig, mode: AllocationMode) -> Ports:
+    """The configured ports, with free ones picked for every port left at 0. A picked
+    port can still be taken before its server binds it: that server then fails to start
+    (its log says so), and the identity check keeps the controller off whoever holds it."""
+    n = mode.n_servers
+    base = cfg.launcher.inference_base_port
+    servers = tuple(base + i for i in range(n)) if base else _free_ports(n)
+    trainer = cfg.launcher.trainer_port
+    if not trainer and cfg.launcher.type != "local" and mode.train is not None:
+        trainer = _free_ports(1, avoid=servers)[0]
+    return Ports(servers, trainer)
+
+
+def _free_ports(n: int, avoid: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """`n` distinct ports that nothing listens on now (the kernel's picks of port 0)."""
+    import socket
+
+    picked: list[int] = []
+    holders = []
+    try:
+        while len(picked) < n:
+            s = socket.socket()
+            holders.append(s)  # held open until all are picked, so no pick repeats
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+            if port not in avoid:
+                picked.append(port)
+    finally:
+        for s in holders:
+            s.close()
+    return tuple(picked)
 
 
 def on_loopback(cfg: ExperimentConfig) -> bool:
@@ -100,6 +164,12 @@ class LaunchPlan:
     algorithm: str = "grpo"
     launcher: str = "local"
     n_nodes: int = 1
+    run_id: str = ""  # the run's identity; its servers serve served_name(run_id)
+
+    @property
+    def served_model(self) -> str:
+        """The model name this run's servers answer to on /v1/models."""
+        return served_name(self.run_id)
 
     def to_dict(self, *, secret: str = "") -> dict:
         """A JSON-ready dict; `secret` (an API key) is replaced by <redacted>."""
@@ -127,22 +197,38 @@ def build_plan(
     cfg: ExperimentConfig,
     mode: AllocationMode,
     *,
+    ports: Ports,
+    run_id: str,
     python: str = sys.executable,
     cpu_count: int | None = None,
 ) -> LaunchPlan:
-    """Plan a training run; pure apart from the defaults of `python` and `cpu_count`."""
+    """Plan a training run on `ports` (from `pick_ports`) for the run `run_id`; pure apart
+    from the defaults of `python` and `cpu_count`."""
     run_dir = run_dir_of(cfg)
     device_type = "cuda" if cfg.cluster.n_gpus_per_node > 0 else "cpu"
     n_cpus = cfg.cluster.n_cpus or cpu_count or os.cpu_count() or 1
     server_devices, trainer_devices = _assign_devices(mode, device_type, n_cpus)
     base_env = {"PYTHONUNBUFFERED": "1", "AREAL_RUN_DIR": str(run_dir), **cfg.launcher.env}
+    name = served_name(run_id)
     processes = [
-        _server_process(cfg, mode, i, devices, run_dir, python, base_env, device_type)
+        _server_process(
+            cfg, mode, i, devices, run_dir, python, base_env, device_type, ports.servers[i], name
+        )
         for i, devices in enumerate(server_devices)
     ]
     if mode.train is not None:
         processes.append(
-            _trainer_process(cfg, mode, trainer_devices, run_dir, python, base_env, device_type)
+            _trainer_process(
+                cfg,
+                mode,
+                trainer_devices,
+                run_dir,
+                python,
+                base_env,
+                device_type,
+                ports.trainer,
+                run_id,
+            )
         )
     gpn = cfg.cluster.n_gpus_per_node
     for proc in processes:
@@ -162,6 +248,7 @@ def build_plan(
         algorithm=cfg.algorithm,
         launcher=cfg.launcher.type,
         n_nodes=cfg.cluster.n_nodes,
+        run_id=run_id,
     )
 
 
@@ -232,8 +319,9 @@ def _server_process(
     python: str,
     base_env: dict[str, str],
     device_type: str,
+    port: int,
+    served: str,
 ) -> ProcessSpec:
-    port = cfg.launcher.inference_base_port + index
     model = initial_model_path(cfg, run_dir)
     host = "127.0.0.1" if on_loopback(cfg) else "0.0.0.0"
     if mode.inference_backend == "sglang":
@@ -241,18 +329,20 @@ def _server_process(
             python,
             "-m",
             "sglang.launch_server",
-            *sglang_args(cfg, mode, model, port, index, host=host),
+            *sglang_args(cfg, mode, model, port, index, host=host, served_name=served),
         ]
     elif mode.inference_backend == "vllm":
         python = vllm_python(cfg, python)
-        args = vllm_args(cfg, mode, model, port, index, host=host, device_type=device_type)
+        args = vllm_args(
+            cfg, mode, model, port, index, host=host, device_type=device_type, served_name=served
+        )
         argv = [python, "-m", VLLM_MODULE, *args]
     else:
         argv = [
             python,
             "-m",
             "areal_cli.inference.server",
-            *embedded_args(cfg, model, port, index, device_type, host=host),
+            *embedded_args(cfg, model, port, index, device_type, host=host, served_name=served),
             # read each new weights/vN ahead, while the controller gets to its update call
             *("--watch-weights", str(run_dir / "weights")),
         ]
@@ -290,24 +380,28 @@ def _trainer_process(
     python: str,
     base_env: dict[str, str],
     device_type: str,
+    port: int,
+    run_id: str,
 ) -> ProcessSpec:
     nproc = mode.train.world_size
-    port = cfg.launcher.trainer_port
     torchrun = str(Path(python).parent / "torchrun")
     gpn, n_nodes = cfg.cluster.n_gpus_per_node, _planned_nodes(cfg)
     nnodes = len({g // gpn for g in devices}) if device_type == "cuda" else n_nodes
     nnodes = 1 if cfg.launcher.type == "ray" else nnodes  # Ray packs the ranks on one node
     head = "127.0.0.1" if cfg.launcher.type == "local" else HEAD_NODE
+    if port:
+        # the run's own rendezvous id: a stranger's store on the port is never joined
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}"]
+        rendezvous += ["--rdzv-id", run_id or "none"]
+    else:  # one node, here: torchrun binds a free port itself (and a random rendezvous id)
+        rendezvous = ["--standalone"]
     argv = [
         torchrun,
         "--nnodes",
         str(nnodes),
         "--nproc-per-node",
         str(nproc // nnodes),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{head}:{port}",
+        *rendezvous,
         # torchrun's own per-attempt folders go into the run, not into a /tmp/torchelastic_*
         # that nobody removes
         "--log-dir",
@@ -327,7 +421,7 @@ def _trainer_process(
             env,
             str(run_dir / "logs" / "trainer.log"),
             gpus=devices,
-            ports=[port],
+            ports=[port] if port else [],
         )
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(_thread_env(max(1, len(devices) // nproc)))
@@ -338,5 +432,5 @@ def _trainer_process(
         env,
         str(run_dir / "logs" / "trainer.log"),
         cpus=devices,
-        ports=[port],
+        ports=[port] if port else [],
     )

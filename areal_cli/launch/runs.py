@@ -41,10 +41,13 @@ def write_record(run_dir: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def start_record(cfg: Any, run_dir: Path, recipe: str, children: dict[str, int]) -> None:
+def start_record(
+    cfg: Any, run_dir: Path, recipe: str, children: dict[str, int], run_id: str = ""
+) -> None:
     record = {
         "experiment": cfg.experiment_name,
         "trial": cfg.trial_name,
+        "run_id": run_id,  # its servers serve launch.plan.served_name(run_id)
         "launcher": cfg.launcher.type,
         "job_id": os.environ.get("SLURM_JOB_ID") if cfg.launcher.type == "slurm" else None,
         "host": socket.gethostname(),

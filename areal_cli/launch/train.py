@@ -40,24 +40,41 @@ from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_er
 from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
 
 
-def ensure_model(loaded: LoadedConfig, run_dir: Path) -> Path:
+def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]) -> Path:
     """The initial model folder; builtin models are built into RUN/model once (linked from
     the cache)."""
     cfg = loaded.config
     path = Path(initial_model_path(cfg, run_dir))
     if cfg.model.path.startswith("builtin:"):
         from areal_cli.models.builtin import materialize
-        from areal_cli.rollout.rewards import numeric
 
-        materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, path, numeric)
+        build_builtin(cfg, say)  # announced, with its progress, when it builds
+        materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, path)
     return path
 
 
-def read_data(cfg: Any, warn: Callable[[str], None]) -> tuple[list, Any] | None:
+def build_builtin(cfg: Any, say: Callable[[str], None]) -> Path:
+    """The cache folder of the recipe's builtin model, built on first use: `say` gets a
+    line when a build starts, and a long one shows its steps (BuildProgress)."""
+    from areal_cli.metrics.display import BuildProgress
+    from areal_cli.models.builtin import build_cached
+    from areal_cli.rollout.rewards import numeric
+
+    progress = BuildProgress(f"building {cfg.model.path}")
+    try:
+        return build_cached(cfg.model.path.split(":", 1)[1], cfg.model.seed, numeric, progress, say)
+    finally:
+        progress.close()
+
+
+def read_data(
+    cfg: Any, warn: Callable[[str], None], say: Callable[[str], None] = lambda line: None
+) -> tuple[list, Any] | None:
     """The rollout's prompts and the tokenizer that made them (None for a supervised role,
     whose trainer reads its data), with every bad row settled by on_bad_row: skipped with
     a warning, or DatasetError. A supervised role's files are checked line by line here
-    too (its trainer checks the columns)."""
+    too (its trainer checks the columns). A builtin model is built first when needed
+    (`say` announces it)."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
@@ -71,10 +88,7 @@ def read_data(cfg: Any, warn: Callable[[str], None]) -> tuple[list, Any] | None:
             read_rows(data, check_columns=False).bad.settle(data.on_bad_row, warn)
         return None
     if cfg.model.path.startswith("builtin:"):  # the tokenizer of the cached build
-        from areal_cli.models.builtin import build_cached
-        from areal_cli.rollout.rewards import numeric
-
-        source = build_cached(cfg.model.path.split(":", 1)[1], cfg.model.seed, numeric)
+        source = build_builtin(cfg, say)
     else:
         source = cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)
@@ -166,14 +180,19 @@ def server_addresses(cfg: Any, plan: LaunchPlan, runner: LocalRunner) -> list[Se
     launcher, what each server's step wrote in RUN/registry/ (waited for)."""
     specs = [p for p in plan.processes if p.role.startswith("inference")]
     if plan.launcher == "local":
-        return [ServerAddress(p.name, f"http://127.0.0.1:{p.ports[0]}", p.log) for p in specs]
+        return [
+            ServerAddress(p.name, f"http://127.0.0.1:{p.ports[0]}", p.log, plan.served_model)
+            for p in specs
+        ]
     found = registry.wait_for(
         Path(plan.run_dir),
         [p.name for p in specs],
         cfg.launcher.startup_timeout_s,
         check=lambda: runner.check(allow_exit={"trainer"}),
     )
-    return [ServerAddress(p.name, registry.url(found[p.name]), p.log) for p in specs]
+    return [
+        ServerAddress(p.name, registry.url(found[p.name]), p.log, plan.served_model) for p in specs
+    ]
 
 
 def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) -> int:
@@ -181,10 +200,8 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     that cannot be used raises DatasetError before anything is written or started."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
-    if cfg.model.path.startswith("builtin:"):
-        sink.status(f"preparing {cfg.model.path} (built and cached on first use)")
     warnings: list[str] = []
-    data = read_data(cfg, warnings.append)
+    data = read_data(cfg, warnings.append, sink.status)
     start_step = prepare_run_dir(
         run_dir, plan.dirs, to_yaml(cfg), plan.to_dict(secret=cfg.inference.api_key), resume
     )
@@ -195,7 +212,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
     if start_step >= cfg.total_train_steps:
         sink.status(f"nothing to do: the run already finished {start_step} steps")
         return 0
-    ensure_model(loaded, run_dir)
+    ensure_model(loaded, run_dir, sink.status)
     heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog
     registry.clear(run_dir)
     try:
@@ -214,7 +231,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
         servers = server_addresses(cfg, plan, runner)
-        runs.start_record(cfg, run_dir, str(loaded.recipe), runner.pids())
+        runs.start_record(cfg, run_dir, str(loaded.recipe), runner.pids(), plan.run_id)
         sink.start(cfg, start_step)
         restarter = Restarter(runner, cfg.launcher.restarts, sink)
         restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())

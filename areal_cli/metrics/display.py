@@ -181,6 +181,71 @@ class Sink:
             self._progress = None
 
 
+class BuildProgress:
+    """The progress of a long preparation (building a builtin model), as `progress(done,
+    total)` calls: a rich bar with steps and time left on a terminal, else one plain line
+    every `every_s` seconds (and one at the end), so a first run never looks hung."""
+
+    def __init__(self, label: str, live: bool | None = None, every_s: float = 5.0) -> None:
+        self.label, self.every_s = label, every_s
+        self.live = sys.stderr.isatty() if live is None else live
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self._bar = None
+        self._task = None
+        self._started = time.monotonic()
+        self._last = 0.0
+        self._done = -1
+        self._first: tuple[float, int] | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.live:
+            self._update_bar(done, total)
+            return
+        now = time.monotonic()
+        if done == self._done or (now - self._last < self.every_s and done < total):
+            return
+        self._done, self._last = done, now
+        elapsed = now - self._started
+        if done > 0 and self._first is None:
+            self._first = (now, done)  # the rate counts from here, not from the start-up
+        left = ""
+        if self._first is not None and done > self._first[1] and done < total:
+            rate = (done - self._first[1]) / (now - self._first[0])
+            left = f", ~{(total - done) / rate:.0f} s left"
+        self.console.print(
+            f"[areal] {self.label}: step {done}/{total}, {elapsed:.0f} s{left}", markup=False
+        )
+
+    def _update_bar(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn(f"[bold]{self.label}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._bar.add_task(self.label, total=total)
+            self._bar.start()
+        self._bar.update(self._task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
 def open_log(path: Path):
     """Append-mode controller log (RUN/logs/controller.log)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,12 @@
 
 Each (name, seed) is built once into the cache (`$AREAL_CACHE_DIR`, default
 `~/.cache/areal`), atomically, and then linked into the run directory. Builds are
-deterministic, so a cached copy equals a fresh one.
+deterministic, so a cached copy equals a fresh one. Two processes that need the same
+model at once (two demos started together) build it once: the second waits on a lock file
+beside the cache folder, then uses what the first built.
+
+A build that takes long (tiny-arith's SFT run) reports its steps to `progress(done,
+total)`, which callers show as a progress bar or a line every few seconds.
 """
 
 from __future__ import annotations
@@ -20,13 +25,20 @@ from pathlib import Path
 from areal_cli.config.schema import BUILTIN_MODELS
 
 BUILD_VERSION = "v3"  # bump when a builder changes what it builds, so caches are not reused
+Progress = Callable[[int, int], None]  # (steps done, steps in all) of a build
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("AREAL_CACHE_DIR") or Path.home() / ".cache" / "areal")
 
 
-def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] | None) -> None:
+def _build(
+    name: str,
+    seed: int,
+    out: Path,
+    score: Callable[[str, str], float] | None,
+    progress: Progress | None,
+) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -44,7 +56,7 @@ def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] |
                 raise ValueError(
                     "builtin:tiny-arith needs `score`, the reward that grades its warm-up"
                 )
-            build_arith_demo_model(out, score, seed=seed)
+            build_arith_demo_model(out, score, seed=seed, progress=progress)
         else:
             from areal_cli.models.tiny_model import build_tiny_model
 
@@ -53,14 +65,45 @@ def _build(name: str, seed: int, out: Path, score: Callable[[str, str], float] |
         torch.set_num_threads(threads)
 
 
-def build_cached(name: str, seed: int, score: Callable[[str, str], float] | None = None) -> Path:
-    """The cache folder of builtin model `name` for `seed`, built there on first use
-    (`score` as for `materialize`). Serve it from there; do not write into it."""
+def cached_path(name: str, seed: int) -> Path:
+    """Where builtin model `name` for `seed` is (or will be) cached."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown builtin model {name!r}; choose from {', '.join(BUILTIN_MODELS)}")
-    cached = cache_dir() / "models" / f"{name}-seed{seed}-{BUILD_VERSION}"
-    if not (cached / "config.json").exists():
-        _build(name, seed, cached, score)
+    return cache_dir() / "models" / f"{name}-seed{seed}-{BUILD_VERSION}"
+
+
+def is_built(name: str, seed: int) -> bool:
+    """Whether the cache holds builtin model `name` for `seed` (no build would happen)."""
+    return (cached_path(name, seed) / "config.json").exists()
+
+
+def build_cached(
+    name: str,
+    seed: int,
+    score: Callable[[str, str], float] | None = None,
+    progress: Progress | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Path:
+    """The cache folder of builtin model `name` for `seed`, built there on first use
+    (`score` as for `materialize`; `progress` sees a long build's steps, and `say` gets
+    one line when a build starts or waits for another process's). Serve it from there;
+    do not write into it."""
+    cached = cached_path(name, seed)
+    if (cached / "config.json").exists():
+        return cached
+    import fcntl
+
+    say = say or (lambda line: None)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.parent / f".{cached.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another process is building builtin:{name}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (cached / "config.json").exists():
+            say(f"building builtin:{name} (first use only; then cached in {cached.parent})")
+            _build(name, seed, cached, score, progress)
     return cached
 
 

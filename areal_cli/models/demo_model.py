@@ -35,7 +35,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -224,6 +223,7 @@ def build_arith_demo_model(
     seed: int = 1,
     overrides: tuple[str, ...] = (),
     eval_samples: int = 8,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Build the model into `out_dir` atomically by running the SFT recipe (see the module
     docstring; `overrides` are extra `key=value`s for it); returns what demo_model.json
@@ -236,7 +236,7 @@ def build_arith_demo_model(
         work.mkdir()
         write_arith_data(work)
         recipe = Path(shutil.copy(SFT_RECIPE, work / SFT_RECIPE.name))
-        checkpoint, metrics = _run_sft(recipe, tmp / "runs", seed, overrides)
+        checkpoint, metrics = _run_sft(recipe, tmp / "runs", seed, overrides, progress)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         stats = evaluate(model, tokenizer, score, eval_samples, 6, seed + 1)
@@ -268,12 +268,25 @@ def metrics_path(checkpoint: Path) -> Path:
     return checkpoint.parents[1] / "metrics.jsonl"
 
 
-def _run_sft(recipe: Path, fileroot: Path, seed: int, overrides: tuple[str, ...]):
-    """Run `areal train RECIPE` as a child process; returns its final checkpoint folder
-    and its metrics. A failure raises with the tail of the run's output."""
-    with socket.socket() as s:  # a free port for the child's torchrun rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _run_sft(
+    recipe: Path,
+    fileroot: Path,
+    seed: int,
+    overrides: tuple[str, ...],
+    progress: Callable[[int, int], None] | None = None,
+):
+    """Run `areal train RECIPE` as a child process, telling `progress` its steps (the
+    lines of its metrics.jsonl) twice a second; returns its final checkpoint folder and
+    its metrics. A failure raises with the tail of the run's output."""
+    import time
+
+    import yaml
+    from areal_cli.rundir.process import die_with_parent
+
+    total = int(yaml.safe_load(recipe.read_text())["total_train_steps"])
+    for item in overrides:
+        if item.startswith("total_train_steps="):
+            total = int(item.split("=", 1)[1])
     argv = [
         sys.executable,
         "-m",
@@ -283,18 +296,41 @@ def _run_sft(recipe: Path, fileroot: Path, seed: int, overrides: tuple[str, ...]
         f"cluster.fileroot={fileroot}",
         f"seed={seed}",
         f"model.seed={seed}",
-        f"launcher.trainer_port={port}",
         "logging.display=plain",
         *overrides,
     ]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
     run_dir = fileroot / "tiny-sft" / "trial0"
+    output = fileroot.parent / "sft-output.log"
+    with open(output, "wb") as log:
+        child = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+        try:
+            while child.poll() is None:
+                if progress is not None:
+                    progress(_lines(run_dir / "metrics.jsonl"), total)
+                time.sleep(0.5)
+        finally:
+            if child.poll() is None:  # interrupted: the run goes with its parent
+                child.kill()
+                child.wait()
     found = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
-    if done.returncode != 0 or not found:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+    if child.returncode != 0 or not found:
+        tail = "\n".join(output.read_text(errors="replace").strip().splitlines()[-15:])
         raise RuntimeError(
             f"building builtin:tiny-arith failed: `areal train {recipe.name}` exited with "
-            f"{done.returncode}; the last lines of its output:\n{tail}"
+            f"{child.returncode}; the last lines of its output:\n{tail}"
         )
+    if progress is not None:
+        progress(total, total)
     lines = metrics_path(found[-1]).read_text().splitlines()
     return found[-1], [json.loads(line) for line in lines if line]
+
+
+def _lines(path: Path) -> int:
+    """How many complete lines a file holds (0 when it is missing)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0

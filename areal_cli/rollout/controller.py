@@ -112,6 +112,7 @@ class ServerAddress:
     name: str  # the process name, e.g. server-0
     address: str  # http://host:port
     log: str
+    served_model: str = ""  # the run's identity it must show (launch.plan.served_name)
 
 
 # ---------------------------------------------------------------------------- rollouts
@@ -479,6 +480,7 @@ async def run_loop(
         retries=cfg.rollout.request_retries,
         logs={s.address: s.log for s in servers},
         backend=parse_allocation(cfg.allocation_mode).inference_backend,
+        served_model=servers[0].served_model,
     )
     rewards = RewardPool.from_config(cfg.reward, loaded.recipe.resolve().parent)
     try:

@@ -47,6 +47,7 @@ class ServerRecovery:
             if time.monotonic() > deadline:
                 raise RunFailed(f"server {address} not healthy {self.timeout_s:g}s after a restart")
             await asyncio.sleep(0.2)
+        await client.check_identity(address)  # not a stranger that took its port meanwhile
         async with self.state.weights_lock:
             version = self.state.version
             if version > 0:

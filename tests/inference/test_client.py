@@ -21,6 +21,7 @@ from aiohttp import web
 
 from areal_cli.inference.argv import server_argv
 from areal_cli.inference.client import (
+    ForeignServer,
     InferenceClient,
     RequestRejected,
     ServerUnavailable,
@@ -86,6 +87,28 @@ def client_for(servers: list[ServerProcess], **kw: Any) -> InferenceClient:
 
 def served_by(answers: list[dict]) -> list[str]:
     return [a["meta_info"]["weight_version"] for a in answers]
+
+
+@pytest.mark.slow
+def test_a_server_of_another_run_is_refused_by_name(
+    servers: list[ServerProcess], tiny_model_dir: Path
+) -> None:
+    """A run's client takes only servers that serve its own name: one that holds the
+    run's port but serves another name is ForeignServer, on start and on a restart."""
+
+    async def main() -> None:
+        async with client_for(servers, served_model="areal-run-0123") as client:
+            with pytest.raises(ForeignServer) as err:
+                await client.wait_healthy(30)
+            port = servers[0].url.rsplit(":", 1)[1]
+            assert f"another process holds port {port}" in str(err.value)
+            assert f"it serves '{tiny_model_dir}'" in str(err.value)
+            with pytest.raises(ForeignServer):
+                await client.check_identity(servers[1].url)
+        async with client_for(servers, served_model=str(tiny_model_dir)) as client:
+            await client.wait_healthy(30)  # the name they serve: accepted
+
+    run(main())
 
 
 @pytest.mark.slow

@@ -289,7 +289,7 @@ CASES = [
         # default), the others still run: the batch split is not reported on group_size
         # 'abc', the port clash is.
         "broken-value-skips-only-its-rules",
-        BASE + "launcher:\n  trainer_port: 30000\n",
+        BASE + "launcher:\n  trainer_port: 30000\n  inference_base_port: 30000\n",
         ["rollout.group_size=abc", "rollout.batch_size=3", "launcher.type=slurmm"],
         [
             "rollout.group_size: expected an integer",

@@ -62,7 +62,7 @@ def test_dry_run_prints_plan_and_writes_nothing(recipe: str, tmp_path: Path) -> 
     result = run_areal("train", recipe, "--dry-run", f"cluster.fileroot={tmp_path}/runs")
     assert result.returncode == 0, result.stderr
     assert "torchrun --nnodes 1 --nproc-per-node" in result.stdout
-    assert "--rdzv-backend c10d" in result.stdout
+    assert "--standalone" in result.stdout  # a free rendezvous port (launcher.trainer_port 0)
     servers = ("sglang.launch_server" in result.stdout) or (
         "areal_cli.inference.server" in result.stdout
     )
@@ -96,3 +96,21 @@ def test_reference_doc_is_in_sync() -> None:
     assert actual == expected, (
         "run: python -m areal_cli.config.reference > docs/config-reference.md"
     )
+
+
+def test_a_fixed_port_that_is_taken_stops_the_run_before_anything_starts(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        port = stranger.getsockname()[1]
+        result = run_areal(
+            "train", "recipes/tiny_cpu.yaml", f"cluster.fileroot={tmp_path}/runs",
+            f"launcher.inference_base_port={port}",
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"launcher.inference_base_port: port {port} (server-0) is already in use" in result.stderr
+    )
+    assert not (tmp_path / "runs").exists()

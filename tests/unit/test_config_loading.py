@@ -91,6 +91,37 @@ def test_relative_paths_are_anchored_at_the_recipe(tmp_path: Path, monkeypatch) 
     assert cfg.model.path == "Qwen/Qwen2.5-1.5B"  # a hub id stays as written
 
 
+def test_command_line_paths_count_from_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    write(tmp_path / "cwd" / "data" / "d.jsonl", "{}\n")
+    recipe = write(tmp_path / "recipes" / "r.yaml", "dataset:\n  path: data/other.jsonl\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    cfg = load_config(recipe, ["dataset.path=data/d.jsonl"]).config
+    assert cfg.dataset.path == str((tmp_path / "cwd" / "data" / "d.jsonl").resolve())
+
+
+def test_a_recipe_copied_anywhere_finds_the_packaged_fragments(tmp_path: Path, monkeypatch) -> None:
+    from tests.conftest import REPO
+
+    copy = write(
+        tmp_path / "elsewhere" / "tiny_cpu.yaml", (REPO / "recipes" / "tiny_cpu.yaml").read_text()
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(copy).config  # its defaults: yaml/cluster/local_cpu.yaml, ... (none here)
+    assert cfg.cluster.n_gpus_per_node == 0 and cfg.inference.embedded.device == "cpu"
+    # a fragment beside the recipe comes first
+    write(tmp_path / "elsewhere" / "yaml" / "cluster" / "local_cpu.yaml", "cluster:\n  n_cpus: 7\n")
+    assert load_config(copy).config.cluster.n_cpus == 7
+
+
+def test_a_missing_fragment_names_where_it_looked(tmp_path: Path) -> None:
+    recipe = write(tmp_path / "r.yaml", "defaults: [yaml/cluster/nope.yaml]\n")
+    with pytest.raises(ConfigErrors) as err:
+        load_config(recipe)
+    (problem,) = err.value.problems
+    assert "defaults file not found: yaml/cluster/nope.yaml" in problem.format()
+    assert "yaml/cluster/local_cpu.yaml" in problem.format()  # what areal ships
+
+
 def test_every_problem_is_reported_with_file_and_line(tmp_path: Path) -> None:
     recipe = write(
         tmp_path / "r.yaml",

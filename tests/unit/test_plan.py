@@ -9,21 +9,30 @@ import pytest
 from areal_cli.config.loader import load_config
 from areal_cli.config.validate import check_config
 from areal_cli.inference.argv import sglang_args
-from areal_cli.launch.plan import build_plan
+from areal_cli.launch.plan import Ports, build_plan, pick_ports, served_name
 from tests.conftest import REPO
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def _ports(cfg, mode) -> Ports:
+    """Fixed stand-ins for the ports a launch picks (pick_ports), so plans compare equal:
+    the configured ones, servers from 30000 and a cluster trainer on 29500 where left at 0."""
+    base = cfg.launcher.inference_base_port or 30000
+    trainer = cfg.launcher.trainer_port or (0 if cfg.launcher.type == "local" else 29500)
+    return Ports(tuple(base + i for i in range(mode.n_servers)), trainer)
 
 
 def _plan(recipe: str, *overrides: str, cpu_count: int = 2):
     loaded = load_config(REPO / "recipes" / recipe, list(overrides))
     result = check_config(loaded)
     assert not result.problems, [p.format() for p in result.problems]
-    return (
-        loaded.config,
-        result.allocation,
-        build_plan(loaded.config, result.allocation, python="/py/bin/python", cpu_count=cpu_count),
-    )
+    cfg, mode = loaded.config, result.allocation
+    plan = build_plan(
+        cfg, mode, ports=_ports(cfg, mode), run_id="r1", python="/py/bin/python",
+        cpu_count=cpu_count,
+    )  # fmt: skip
+    return cfg, mode, plan
 
 
 def _sglang_flags() -> dict[str, str]:
@@ -48,20 +57,59 @@ def test_gpu_plan_uses_disjoint_gpus_and_real_commands() -> None:
         and trainer.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     )
     assert [p.ports[0] for p in servers] == [30000, 30001, 30002, 30003]
-    assert trainer.argv[:9] == [
+    assert trainer.argv[:6] == [
         "/py/bin/torchrun",
         "--nnodes",
         "1",
         "--nproc-per-node",
         "4",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:29500",
+        "--standalone",  # a free rendezvous port that torchrun binds itself
     ]
-    assert trainer.argv[9:11] == ["--log-dir", f"{plan.run_dir}/logs/torchrun"]  # not /tmp
-    assert trainer.argv[11:13] == ["-m", "areal_cli.trainer.main"]
+    assert trainer.argv[6:8] == ["--log-dir", f"{plan.run_dir}/logs/torchrun"]  # not /tmp
+    assert trainer.argv[8:10] == ["-m", "areal_cli.trainer.main"]
+    assert trainer.ports == []
     assert plan.run_dir.endswith("gsm8k-grpo/trial0")
+
+
+def test_a_fixed_trainer_port_is_a_c10d_rendezvous_of_the_run_alone() -> None:
+    _, _, plan = _plan("tiny_cpu.yaml", "launcher.trainer_port=29511")
+    trainer = plan.processes[-1]
+    argv = trainer.argv
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:29511"
+    assert argv[argv.index("--rdzv-id") + 1] == "r1" and trainer.ports == [29511]
+
+
+def test_every_server_carries_the_run_identity() -> None:
+    gpus = ("cluster.n_gpus_per_node=4",)
+    for allocation, more in (("embedded", ()), ("sglang", gpus), ("vllm", gpus)):
+        _, _, plan = _plan(
+            "tiny_cpu.yaml", f"allocation_mode={allocation}:d2+fsdp:d1", "cluster.n_cpus=4", *more
+        )
+        assert plan.served_model == served_name("r1")
+        for server in plan.processes[:2]:
+            argv = server.argv
+            assert argv[argv.index("--served-model-name") + 1] == plan.served_model
+
+
+def test_ports_left_at_zero_are_free_ones_picked_at_launch() -> None:
+    import socket
+
+    loaded = load_config(
+        REPO / "recipes" / "tiny_cpu.yaml",
+        ["allocation_mode=embedded:d3+fsdp:d1", "cluster.n_cpus=4"],
+    )
+    mode = check_config(loaded).allocation
+    first, second = pick_ports(loaded.config, mode), pick_ports(loaded.config, mode)
+    assert len(set(first.servers)) == 3 and first.trainer == 0  # local: torchrun picks its own
+    for port in first.servers + second.servers:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
+    loaded.config.launcher.inference_base_port = 31000
+    loaded.config.launcher.type = "slurm"
+    fixed = pick_ports(loaded.config, mode)
+    assert fixed.servers == (31000, 31001, 31002) and fixed.trainer not in fixed.servers
+    assert fixed.trainer > 0
 
 
 def test_cpu_plan_splits_cores_and_threads() -> None:

@@ -80,7 +80,10 @@ def test_the_local_plan_stays_on_loopback() -> None:
     _, _, plan = _plan("tiny_cpu.yaml")
     server, trainer = plan.processes
     assert server.argv[server.argv.index("--host") + 1] == "127.0.0.1"
-    assert trainer.argv[trainer.argv.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+    assert "--standalone" in trainer.argv  # torchrun's rendezvous on a free local port
+    _, _, plan = _plan("tiny_cpu.yaml", "launcher.trainer_port=29600")
+    trainer = plan.processes[-1]
+    assert trainer.argv[trainer.argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:29600"
 
 
 def _runner(tmp_path: Path, nodes: list[str]) -> SlurmRunner:
