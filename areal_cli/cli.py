@@ -6,6 +6,7 @@ them, never at module level, so `areal --help` stays fast.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -134,12 +135,20 @@ def train(
 
             warn = lambda line: typer.echo(f"warning: {line}", err=True)  # noqa: E731
             raise typer.Exit(submit_run(loaded, plan, recipe, overrides, resume, typer.echo, warn))
-        code = run_training(loaded, plan, resume, make_sink(loaded.config, Path(plan.run_dir)))
-        runs.end_record(Path(plan.run_dir), code)
+        again = shlex.join(["areal", "train", str(recipe), *overrides, "--resume"])
+        code = 1
+        try:
+            sink = make_sink(loaded.config, Path(plan.run_dir))
+            code = run_training(loaded, plan, resume, sink, again)
+        finally:  # run.json never says running once this controller has gone
+            runs.end_record(Path(plan.run_dir), code)
     except FileExistsError as exc:
         _fail([ConfigProblem("trial_name", str(exc))], f"in {recipe}")
     except DatasetError as exc:  # raised before any process started
         _fail([ConfigProblem("dataset", str(exc))], f"in {recipe}")
+    except KeyboardInterrupt:  # Ctrl-C while preparing (a model build): nothing started
+        typer.echo("stopped before the run started; nothing was left running", err=True)
+        raise typer.Exit(130) from None
     raise typer.Exit(code)
 
 
@@ -203,7 +212,7 @@ def _check_ports_free(processes: list, recipe: Path) -> None:
 def serve(
     model: str = typer.Argument(
         ...,
-        help="Model folder; or builtin:tiny-arith (the demo's warmed-up model), builtin:tiny or builtin:small (random weights, for tests and benchmarks).",
+        help="HF folder (RUN/weights/vN, RUN/checkpoints/step-N), run directory (its newest weights); or builtin:tiny-arith (the demo's warmed-up model), builtin:tiny or builtin:small (random weights, for tests and benchmarks).",
         show_default=False,
         metavar="MODEL",
     ),
@@ -307,10 +316,18 @@ def _serve_model_path(model: str, cache: Path) -> str:
             )
         build_builtin(cfg, lambda line: typer.echo(f"[areal] {line}", err=True))
         return str(materialize(preset, seed, cache / f"{preset}-seed{seed}"))
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        _die(f"model folder {model} does not exist (give a folder, or builtin:tiny-arith)")
-    return str(path.resolve())
+    from areal_cli.rundir.checkpoints import CheckpointError, locate
+
+    try:
+        found = locate(Path(model))
+    except CheckpointError as exc:
+        _die(f"{exc}, or builtin:tiny-arith")
+    if found.kind == "dcp":
+        _die(
+            f"{found.path} is a DCP checkpoint and serve serves HF folders; convert it first: "
+            f"areal convert-checkpoint {found.path} OUT, then areal serve OUT"
+        )
+    return str(found.path)
 
 
 def _run_in_foreground(
@@ -357,7 +374,7 @@ def _run_in_foreground(
 def convert_checkpoint(
     src: Path = typer.Argument(
         ...,
-        help="DCP checkpoint (RUN/recover/step-N) or HF folder.",
+        help="HF folder (RUN/weights/vN, RUN/checkpoints/step-N), run directory (its newest weights) or DCP checkpoint (RUN/recover/step-N).",
         show_default=False,
         metavar="SRC",
     ),
@@ -386,8 +403,7 @@ def convert_checkpoint(
     """Convert sharded training checkpoints (DCP) to Hugging Face folders and back."""
     import time
 
-    from areal_cli.weights.convert import ConvertError, convert
-    from areal_cli.weights.convert import verify as verify_logits
+    from areal_cli.weights.convert import ConvertError, VerifyFailed, convert
 
     if to not in (None, "hf", "dcp"):
         _die(f"--to must be hf or dcp, got {to}")
@@ -395,10 +411,18 @@ def convert_checkpoint(
         _die(f"--dtype must be bf16 or fp32, got {dtype}")
     if part not in ("model", "critic"):
         _die(f"--part must be model or critic, got {part}")
+    from areal_cli.rundir.checkpoints import CheckpointError, locate
+
+    try:
+        found = locate(src)  # a run directory stands for its newest weights/vN
+    except CheckpointError as exc:
+        _die(str(exc))
+    if found.path != src.expanduser().resolve():
+        typer.echo(f"SRC {src} is a run directory: converting its newest weights, {found.path}")
     start = time.perf_counter()
     try:
-        source, out = convert(
-            src,
+        source, _, verdict = convert(
+            found.path,
             dst,
             to=to,
             dtype=dtype,
@@ -406,15 +430,19 @@ def convert_checkpoint(
             force=force,
             model_config=model_config,
             part=part,
+            check=verify,
         )
-        typer.echo(f"converted {source.kind} {src} -> {dst} in {time.perf_counter() - start:.1f}s")
-        if verify:
-            diff = verify_logits(out, source, model_config)
-            typer.echo(f"verify: max |logit difference| = {diff:.3g}")
-            if diff > 1e-3:
-                raise typer.Exit(1)
+        took = time.perf_counter() - start
+        typer.echo(f"converted {source.kind} {found.path} -> {dst} in {took:.1f}s")
+        for line in verdict.lines() if verdict else []:
+            typer.echo(line)
     except ConvertError as exc:
         _die(str(exc))
+    except VerifyFailed as exc:
+        for line in exc.verdict.lines():
+            typer.echo(line, err=True)
+        typer.echo(f"error: verify failed; {dst} was left as it was", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command("eval")
@@ -433,17 +461,17 @@ def eval_command(
     ),
 ) -> None:
     """Score a model or checkpoint on the recipe's eval section: accuracy and pass@k."""
-    from rich.console import Console
     from rich.table import Table
 
     from areal_cli.evaluation.run import EvalInputError, run_eval
     from areal_cli.launch.plan import build_plan, new_run_id, pick_ports
+    from areal_cli.metrics.display import make_console
 
     loaded, result = _load_and_check(recipe, overrides, "eval", launch=True)
     ports = pick_ports(loaded.config, result.allocation)
     plan = build_plan(loaded.config, result.allocation, ports=ports, run_id=new_run_id())
     _check_ports_free([p for p in plan.processes if p.name != "trainer"], recipe)
-    console = Console(highlight=False)
+    console = make_console()
     try:
         summary = run_eval(loaded, plan, checkpoint, out, _EvalProgress(console))
     except EvalInputError as exc:

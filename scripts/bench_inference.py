@@ -5,7 +5,7 @@ Usage: python scripts/bench_inference.py [--preset tiny|small | --model DIR] [--
        [--seed 0] [--repeats 3] [--reloads 3] [--dtype float32,bfloat16] [--workdir DIR]
        [--vllm-python PY] [--no-hf]
   e.g. make smollm2 vllm; python scripts/bench_inference.py
-       --model .cache/models/smollm2-135m-instruct --requests 128 --new-tokens 16-128
+       --model ~/.cache/areal/models/smollm2-135m-instruct --requests 128 --new-tokens 16-128
        --max-running-requests 128 --repeats 2 --no-hf
 
 One run, one model (the builtin preset, built offline, or the Hugging Face folder

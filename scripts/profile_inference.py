@@ -4,7 +4,7 @@ Usage: python scripts/profile_inference.py [--model DIR | --preset tiny|small] [
        [--workload steady|mixed] [--dtype bfloat16] [--threads 1] [--prompt 32]
        [--skip 4] [--seconds 4] [--rows 25]
   e.g. make smollm2; python scripts/profile_inference.py
-       --model .cache/models/smollm2-135m-instruct --batch 128 --dtype bfloat16
+       --model ~/.cache/areal/models/smollm2-135m-instruct --batch 128 --dtype bfloat16
 
 Runs the real `InferenceEngine` in this process; torch.profiler is started and stopped
 on the engine's scheduler thread.

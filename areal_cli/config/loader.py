@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from areal_cli.config.errors import (
     COMMAND_LINE,
     ConfigErrors,

@@ -34,6 +34,7 @@ from areal_cli.config.loader import LoadedConfig
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.launch.plan import LaunchPlan
 from areal_cli.rundir import handoff
+from areal_cli.rundir.checkpoints import CheckpointError, locate
 from areal_cli.rundir.layout import run_dir_of
 
 CORRECT_AT = 0.5
@@ -67,28 +68,18 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Chec
             return Checkpoint(built, "initial", None, built)
         path = Path(cfg.model.path)
         return Checkpoint(path, "initial", None, path)
-    if not checkpoint.exists():
-        raise EvalInputError(f"checkpoint not found: {checkpoint}")
-    checkpoint = checkpoint.resolve()
-    if (checkpoint / "config.json").is_file():
-        return Checkpoint(checkpoint, checkpoint.name, run_dir_containing(checkpoint), checkpoint)
-    if (checkpoint / "weights").is_dir():
-        entry = handoff.latest(checkpoint / "weights", "v")
-        if entry is None:
-            raise EvalInputError(f"run directory {checkpoint} has no finished weights/vN yet")
-        return Checkpoint(entry.path, entry.path.name, checkpoint, entry.path)
-    from areal_cli.weights.convert import ConvertError, convert, detect
-
-    not_a_checkpoint = (
-        f"{checkpoint} is not a checkpoint: give an HF folder (with config.json), a run "
-        "directory (with weights/) or a DCP checkpoint (RUN/recover/step-N)"
-    )
     try:
-        if detect(checkpoint).kind != "dcp":
-            raise EvalInputError(not_a_checkpoint)
-        out = scratch / "converted"
+        found = locate(checkpoint)
+    except CheckpointError as exc:
+        raise EvalInputError(str(exc)) from None
+    if found.kind == "hf":
+        return Checkpoint(found.path, found.path.name, found.run_dir, found.path)
+    from areal_cli.weights.convert import ConvertError, convert
+
+    out = scratch / "converted"
+    try:
         convert(
-            checkpoint,
+            found.path,
             out,
             to="hf",
             dtype=None,
@@ -97,17 +88,8 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Chec
             model_config=None,
         )
     except ConvertError as exc:
-        raise EvalInputError(f"{not_a_checkpoint} ({exc})") from exc
-    return Checkpoint(out, checkpoint.name, run_dir_containing(checkpoint), checkpoint)
-
-
-def run_dir_containing(path: Path) -> Path | None:
-    """The run directory (it holds config.yaml and plan.json) that `path` lies in, if any:
-    RUN/weights/vN, RUN/checkpoints/step-N and RUN/recover/step-N belong to RUN."""
-    for parent in list(path.parents)[:3]:
-        if (parent / "config.yaml").is_file() and (parent / "plan.json").is_file():
-            return parent
-    return None
+        raise EvalInputError(f"{found.path}: {exc}") from exc
+    return Checkpoint(out, found.path.name, found.run_dir, found.path)
 
 
 # ------------------------------------------------------------------ what was evaluated

@@ -10,7 +10,8 @@ Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /pause_generation, /continue_generation, /abort_request, /update_weight_version,
 /flush_cache, /health, /health_generate, /model_info, /get_model_info, /server_info.
 OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-(non-streaming; `stop` strings are not supported, `stop_token_ids` is).
+(one response, n=1; `stop` strings, `tools` and top alternatives are not supported, and
+any field a route does not honour is refused with a 400 naming it, never dropped).
 With --api-key every route except /health and /health_generate needs
 `Authorization: Bearer KEY`. The port is bound only after the model has loaded, so a 200
 from /health means ready. SIGINT/SIGTERM stop it cleanly (in-flight requests are aborted).
@@ -277,7 +278,9 @@ class InferenceServer:
             {
                 "index": i,
                 "text": out.text,
-                "logprobs": self._completion_logprobs(out) if body.get("logprobs") else None,
+                "logprobs": self._completion_logprobs(out)
+                if body.get("logprobs") is not None
+                else None,
                 "finish_reason": OPENAI_FINISH[out.finish_reason["type"]],
             }
             for i, out in enumerate(outs)
@@ -304,13 +307,9 @@ class InferenceServer:
         )
 
     def _openai_request(self, body: dict[str, Any], prompt: str | list[int]) -> GenerateRequest:
-        """Map OpenAI sampling fields (plus SGLang extras) onto a GenerateRequest."""
-        if body.get("stream"):
-            raise BadRequest("streaming is not supported by this server")
-        if body.get("n") not in (None, 1):
-            raise BadRequest("only n=1 is supported")
-        if body.get("stop"):
-            raise BadRequest("stop strings are not supported; use stop_token_ids")
+        """Map OpenAI sampling fields (plus SGLang extras) onto a GenerateRequest; a field
+        the server cannot honour is refused, never dropped (`refuse_unsupported`)."""
+        refuse_unsupported(body, CHAT_FIELDS if "messages" in body else COMPLETION_FIELDS)
         params = SamplingParams.from_dict(
             {
                 "temperature": body.get("temperature"),
@@ -377,6 +376,50 @@ class InferenceServer:
 
 
 # --------------------------------------------------------------------------- request shapes
+
+# The fields the OpenAI routes honour. Any other is refused with a 400 that names it, so no
+# field a client sends is silently dropped.
+_OPENAI_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+        "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty", "logprobs",
+        "n", "stream", "user",
+    }
+)  # fmt: skip
+CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt"}
+_WHY = {
+    "tools": "tool calls are not supported by this server",
+    "tool_choice": "tool calls are not supported by this server",
+    "functions": "function calls are not supported by this server",
+    "function_call": "function calls are not supported by this server",
+}
+
+
+def refuse_unsupported(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    """BadRequest naming the first field (or value) of an OpenAI request that this server
+    cannot honour: unknown fields, streaming, n > 1, stop strings, top alternatives."""
+    for key in body:
+        if key not in allowed:
+            raise BadRequest(
+                f"'{key}' is not supported: {_WHY.get(key, 'this server does not implement it')}; "
+                "leave it out"
+            )
+    if body.get("stream"):
+        raise BadRequest("'stream' is not supported: this server answers in one response")
+    if body.get("n") not in (None, 1):
+        raise BadRequest("'n' is not supported above 1; send one request per sample")
+    if body.get("stop"):
+        raise BadRequest("'stop' strings are not supported; use stop_token_ids")
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest(
+            "'top_logprobs' is not supported: only the sampled tokens' logprobs are returned"
+        )
+    if "prompt" in body and body.get("logprobs") not in (None, 0, False):
+        raise BadRequest(
+            "'logprobs' above 0 asks for top alternatives, which are not returned; "
+            "use logprobs=0 for the sampled tokens' logprobs"
+        )
 
 
 def _is_batch(body: dict[str, Any]) -> bool:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch.plan import REDACTED, LaunchPlan
+from areal_cli.metrics.display import make_console
 
 
 def print_plan(
@@ -93,7 +94,7 @@ def print_dry_run(
             data["sbatch_script"] = script
         print(json.dumps(data, indent=2))
         return
-    console = Console()
+    console = make_console()
     print_plan(plan, console, secret=secret, trainer=trainer)
     launcher = loaded.config.launcher
     if not (launcher.inference_base_port and launcher.trainer_port):

@@ -33,7 +33,7 @@ from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
 from areal_cli.launch.restarts import Restarter
 from areal_cli.launch.watchdog import RunStuck, watch
-from areal_cli.rollout.controller import ServerAddress, run_loop
+from areal_cli.rollout.controller import ServerAddress, run_loop, steps_in
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
@@ -162,6 +162,25 @@ async def _trainer_done(
         await asyncio.sleep(poll_s)
 
 
+def _keep_newest_weights(run_dir: Path) -> None:
+    """A finished run keeps only its newest weights/vN: the older ones (keep_last) were
+    there for servers still reading them, and nothing reads them once the run is over."""
+    from areal_cli.rundir import handoff
+
+    for entry in handoff.list_entries(run_dir / "weights", "v")[:-1]:
+        handoff.remove_entry(entry.path)
+
+
+def _resume_line(run_dir: Path, start_step: int, total: int) -> str:
+    """Where a resumed run starts, in words (steps counted from 1, as on the console)."""
+    if start_step == 0:
+        return f"resuming {run_dir}: no recover entry yet, so it starts over from step 1"
+    return (
+        f"resuming {run_dir} from recover/step-{start_step - 1}: {start_step} of {total} steps "
+        f"done, continuing at step {start_step + 1}"
+    )
+
+
 def make_runner(cfg: Any, plan: LaunchPlan) -> LocalRunner:
     """Subprocesses here, job steps inside a Slurm allocation, or Ray actors."""
     if plan.launcher == "slurm":
@@ -195,11 +214,21 @@ def server_addresses(cfg: Any, plan: LaunchPlan, runner: LocalRunner) -> list[Se
     ]
 
 
-def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) -> int:
+def run_training(
+    loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any, resume_command: str = ""
+) -> int:
     """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
-    that cannot be used raises DatasetError before anything is written or started."""
+    that cannot be used raises DatasetError before anything is written or started.
+    `resume_command` (the command line that continues the run) is shown after a stop."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
+    resume_command = resume_command or "areal train RECIPE --resume"
+    if resume and len(steps_in(run_dir / "metrics.jsonl")) >= cfg.total_train_steps:
+        sink.status(
+            f"{run_dir} already finished its {cfg.total_train_steps} steps: nothing to do "
+            "(raise total_train_steps to train on)"
+        )
+        return 0
     warnings: list[str] = []
     data = read_data(cfg, warnings.append, sink.status)
     start_step = prepare_run_dir(
@@ -209,6 +238,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         sink.warn(line)
     if resume:
         trim_after(run_dir, start_step - 1)
+        sink.status(_resume_line(run_dir, start_step, cfg.total_train_steps))
     if start_step >= cfg.total_train_steps:
         sink.status(f"nothing to do: the run already finished {start_step} steps")
         return 0
@@ -226,7 +256,8 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         interrupted["signal"] = signum
         raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, areal stop, a closed terminal
+    previous = {s: signal.signal(s, on_signal) for s in stops}
     try:
         for spec in plan.processes:
             runner.start(spec, child_argv(spec, resume))
@@ -245,11 +276,14 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
                     raise
                 argv = child_argv(exc.child.spec, resume=True)
                 start_step = restarter.trainer(exc, run_dir, argv)
+        _keep_newest_weights(run_dir)
         sink.finish(run_dir)
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a stop that was asked for: not an error
         name = signal.Signals(interrupted["signal"] or signal.SIGINT).name
-        sink.error(f"interrupted by {name}; stopping every process")
+        runner.stop_all()
+        sink.notice(f"stopped by {name}; every process of the run has ended")
+        sink.notice(f"continue it with: {resume_command}")
         return 130
     except ProcessCancelled as exc:  # e.g. Slurm's scancel of one step
         sink.error(f"{exc}; stopping every process")
@@ -261,7 +295,7 @@ def run_training(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any
         sink.error(f"run stopped: {exc}")
         return 1
     except RunStuck as exc:
-        sink.error(f"run stuck: {exc}; stopping every process (areal train --resume continues it)")
+        sink.error(f"run stuck: {exc}; stopping every process (continue it with: {resume_command})")
         return 1
     except Exception as exc:  # the run started: report, tear down, exit 1
         if is_disk_error(exc):

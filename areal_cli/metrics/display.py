@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,18 @@ SHOWN = (
 )
 
 
+def make_console(stderr: bool = False) -> Console:
+    """A console for people: on a terminal, rich's own width; anywhere else (a pipe, a
+    file, CI) nothing is wrapped or folded, so a path stays whole on its line."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=UNWRAPPED)
+
+
+UNWRAPPED = 100_000  # the width of a console that is not a terminal: no line is ever wrapped
+
+
 def make_sink(cfg: Any, run_dir: Path) -> Sink:
     """A live rich view on a terminal, plain lines otherwise (logging.display decides)."""
     mode = cfg.logging.display
@@ -44,7 +57,10 @@ class Sink:
     def __init__(self, cfg: Any, run_dir: Path, live: bool):
         self.cfg, self.run_dir, self.live = cfg, run_dir, live
         # Plain mode writes to pipes and CI logs: never wrap a step line.
-        self.console = Console(highlight=False, soft_wrap=not live)
+        self.console = Console(highlight=False) if live else make_console()
+        self.stderr = make_console(stderr=True)
+        for console in (self.console, self.stderr):  # rich would exit(1) on a closed pipe
+            console.on_broken_pipe = lambda c=console: self._reader_gone(c)
         self._log = None  # opened on first use, once the run directory exists
         self.history: list[dict[str, float]] = []
         self._progress = None
@@ -87,7 +103,7 @@ class Sink:
         if self._progress is not None:
             self._progress.update(self._task, info=text)
         else:
-            self.console.print(f"[areal] {text}", markup=False)
+            self._print(self.console, f"[areal] {text}")
 
     def step(self, metrics: dict[str, float]) -> None:
         self.history.append(metrics)
@@ -98,7 +114,7 @@ class Sink:
             self._progress.update(self._task, completed=metrics["step"] + 1, info=line)
         else:
             total = self.cfg.total_train_steps
-            self.console.print(f"[areal] step {metrics['step'] + 1}/{total} {line}", markup=False)
+            self._print(self.console, f"[areal] step {metrics['step'] + 1}/{total} {line}")
 
     def warn(self, text: str) -> None:
         """A warning line on stderr (and in the controller log)."""
@@ -106,14 +122,35 @@ class Sink:
         if self._progress is not None:
             self._progress.console.print(f"warning: {text}", markup=False)
         else:
-            Console(stderr=True, highlight=False, soft_wrap=True).print(
-                f"warning: {text}", markup=False
-            )
+            self._print(self.stderr, f"warning: {text}")
+
+    def notice(self, text: str) -> None:
+        """A line on stderr that is no error (a stop that was asked for)."""
+        self._log_line(text)
+        self._stop_live()
+        self._print(self.stderr, text)
 
     def error(self, text: str) -> None:
         self._log_line(f"error: {text}")
         self._stop_live()
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {text}", markup=False)
+        self._print(self.stderr, f"error: {text}")
+
+    def _print(self, console: Console, text: Any) -> None:
+        console.print(text, markup=False)
+
+    def _reader_gone(self, console: Console) -> None:
+        """A reader that went away (`areal train ... | head`) ends the output, not the
+        run: rich calls this instead of exiting; the stream is pointed at /dev/null and
+        the run goes on, its lines still in RUN/logs/controller.log."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, console.file.fileno())
+        os.close(devnull)
+        closed = "stdout" if console is self.console else "stderr"
+        log = self.run_dir / "logs" / "controller.log"
+        line = f"{closed} was closed (its reader exited); the run goes on, logging to {log}"
+        self._log_line(f"warning: {line}")
+        if console is self.console:
+            self.stderr.print(f"warning: {line}", markup=False)
 
     def finish(self, run_dir: Path) -> None:
         self._stop_live()
@@ -121,12 +158,12 @@ class Sink:
         history = read_metrics(run_dir / "metrics.jsonl")
         if not history:
             return
-        self.console.print(summary_table(history, time.monotonic() - self._started))
+        self._print(self.console, summary_table(history, time.monotonic() - self._started))
         if any("reward_mean" in h for h in history):
             path = plot_reward_curve(history, run_dir / "reward_curve.png")
         else:  # a supervised role
             path = plot_loss_curve(history, run_dir / "loss_curve.png")
-        self.console.print(f"metrics: {run_dir / 'metrics.jsonl'}   curve: {path}", markup=False)
+        self._print(self.console, f"metrics: {run_dir / 'metrics.jsonl'}   curve: {path}")
 
     def _log_line(self, text: str) -> None:
         if self._log is None and not self.run_dir.is_dir():

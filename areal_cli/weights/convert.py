@@ -14,7 +14,9 @@ config.yaml) or from --model-config. HF -> DCP writes a recover entry (`dcp/`,
 `state.json` with step -1, manifest) that `areal train` can start or resume from.
 
 DST is written under a temporary name beside it and renamed at the end, so a failure
-leaves nothing half-written at DST. A non-empty DST is refused without --force.
+leaves nothing half-written at DST. A non-empty DST is refused without --force. --verify
+checks the temporary folder before that rename (every tensor bit for bit against SRC cast
+to the output dtype, and the logits), so a failed check never replaces an earlier DST.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ MODEL_PREFIX = "model."
 
 class ConvertError(Exception):
     """Bad input for the converter (exit code 2): missing, incomplete or mismatched files."""
+
+
+class VerifyFailed(Exception):
+    """--verify found a difference (exit code 1); nothing was written at DST."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__("; ".join(verdict.lines()))
+        self.verdict = verdict
 
 
 @dataclass
@@ -279,8 +289,12 @@ def convert(
     force: bool,
     model_config: Path | None,
     part: str = "model",
-) -> tuple[Source, Path]:
-    """Convert SRC into DST atomically; returns the detected source and DST."""
+    check: bool = False,
+) -> tuple[Source, Path, Verdict | None]:
+    """Convert SRC into DST atomically; returns the detected source, DST and, with
+    `check`, the verdict of `verify`. The output is verified in its temporary folder and
+    renamed into place only when it passes, so a failed check replaces nothing
+    (VerifyFailed carries the verdict)."""
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -318,6 +332,9 @@ def convert(
         }
         handoff.write_json_atomic(tmp / handoff.MANIFEST, manifest)
         handoff.fsync_dir(tmp)
+        verdict = verify(tmp, src) if check else None
+        if verdict is not None and not verdict.ok:
+            raise VerifyFailed(verdict)
         if dst.exists():
             handoff.remove_entry(dst) if dst.is_dir() else dst.unlink()
         os.rename(tmp, dst)
@@ -325,7 +342,7 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return src, dst
+    return src, dst, verdict
 
 
 def _check_replaceable(dst: Path, src: Path) -> None:
@@ -342,38 +359,96 @@ def _check_replaceable(dst: Path, src: Path) -> None:
         )
 
 
-def verify(dst: Path, src: Source, model_config: Path | None) -> float:
-    """Max |logit difference| between the two sides on a fixed input (fp32); for a scalar
-    head (a reward model), of the head's output at every position."""
+# Two models with the same weights give the same logits: the converted side is compared
+# with SRC cast to the converted dtype, so any dtype gets this one tolerance (fp32 math).
+VERIFY_TOLERANCE = 1e-4
+
+
+@dataclass
+class Verdict:
+    """What --verify found: the converted tensors against SRC cast to their dtype."""
+
+    dtype: torch.dtype  # of the converted tensors
+    mismatched: list[str]  # tensors that are not bit-equal to SRC cast to `dtype`
+    diff: float  # max |logit difference| against SRC cast to `dtype`
+    rounding: float  # max |logit difference| against SRC as stored: the cast's own cost
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched and self.diff <= VERIFY_TOLERANCE
+
+    def lines(self) -> list[str]:
+        name = str(self.dtype).removeprefix("torch.")
+        out = [
+            f"verify: max |logit difference| = {self.diff:.3g} against SRC cast to {name} "
+            f"(tolerance {VERIFY_TOLERANCE:g}); {self.rounding:.3g} against SRC as stored"
+            + (f" (the cost of rounding to {name})" if self.rounding > VERIFY_TOLERANCE else "")
+        ]
+        if self.mismatched:
+            out.append(
+                f"verify: {len(self.mismatched)} tensor(s) differ from SRC cast to {name}: "
+                + ", ".join(self.mismatched[:5])
+            )
+        return out
+
+
+def verify(out: Path, src: Source) -> Verdict:
+    """Compare the converted folder `out` with SRC: every tensor bit for bit against SRC
+    cast to the converted dtype, and the logits on a fixed input (fp32 math; for a scalar
+    head, the head's output at every position) against SRC so cast and as stored."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from areal_cli.config.model_info import is_scalar_config
 
-    hf_side, dcp_side = (dst, src) if src.kind == "dcp" else (src.path, detect(dst))
-    model_dir = hf_side
-    config = AutoConfig.from_pretrained(model_dir)
-    scalar = is_scalar_config(config.to_dict())
-    auto = AutoModelForSequenceClassification if scalar else AutoModelForCausalLM
-    reference = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
-    other = auto.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
-    state = dict(iter_dcp_tensors(dcp_side.path, torch.float32, prefix=dcp_side.prefix))
-    missing, unexpected = other.load_state_dict(state, strict=False)
-    missing = [
-        m for m in missing if not (m == "lm_head.weight" and other.config.tie_word_embeddings)
-    ]
-    if missing or unexpected:
-        raise ConvertError(
-            f"the two sides hold different tensors: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    if other.config.tie_word_embeddings:
-        other.tie_weights()
-    vocab = reference.config.vocab_size
-    ids = (torch.arange(32) * 7919 % vocab).unsqueeze(0)
+    converted = detect(out)
+    hf_dir = out if src.kind == "dcp" else src.path
+    config = AutoConfig.from_pretrained(hf_dir)
+    new = dict(_tensors(converted))
+    old = dict(_tensors(src))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    names = set(new) | set(old)
+    if tied:
+        names.discard("lm_head.weight")
+    missing = sorted(n for n in names if n not in new or n not in old)
+    if missing:
+        raise ConvertError(f"the two sides hold different tensors: {missing[:3]}")
+    dtype = next(iter(new.values())).dtype
+    mismatched = [n for n in sorted(names) if not torch.equal(old[n].to(dtype), new[n])]
+    auto = (
+        AutoModelForSequenceClassification
+        if is_scalar_config(config.to_dict())
+        else AutoModelForCausalLM
+    )
+    ids = (torch.arange(32) * 7919 % config.vocab_size).unsqueeze(0)
 
-    def outputs(model: torch.nn.Module) -> torch.Tensor:
-        if scalar:  # every position's score, not only the pooled last one
-            return model.score(model.base_model(input_ids=ids).last_hidden_state)
-        return model(input_ids=ids).logits
+    def logits(state: dict[str, torch.Tensor]) -> torch.Tensor:
+        model = auto.from_config(config, dtype=torch.float32).eval()
+        loaded = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        absent = [m for m in loaded.missing_keys if not (tied and m == "lm_head.weight")]
+        if absent or loaded.unexpected_keys:
+            raise ConvertError(
+                f"the checkpoint does not fit its config: missing {absent[:3]}, "
+                f"unexpected {loaded.unexpected_keys[:3]}"
+            )
+        if tied:
+            model.tie_weights()
+        with torch.no_grad():
+            if auto is AutoModelForSequenceClassification:  # every position, not the pooled one
+                return model.score(model.base_model(input_ids=ids).last_hidden_state)
+            return model(input_ids=ids).logits
 
-    with torch.no_grad():
-        return float((outputs(reference) - outputs(other)).abs().max())
+    converted_logits = logits(new)
+    cast = {k: v.to(dtype) for k, v in old.items()}
+    return Verdict(
+        dtype,
+        mismatched,
+        float((converted_logits - logits(cast)).abs().max()),
+        float((converted_logits - logits(old)).abs().max()),
+    )
+
+
+def _tensors(side: Source) -> Iterator[tuple[str, torch.Tensor]]:
+    """A side's tensors as stored (DCP: its model part)."""
+    if side.kind == "dcp":
+        return iter_dcp_tensors(side.path, None, prefix=side.prefix)
+    return iter_hf_tensors(side.path)

@@ -58,7 +58,7 @@ def test_missing_checkpoint_is_bad_input(tmp_path: Path) -> None:
     result = _eval(tmp_path, tmp_path / "out", "--checkpoint", str(tmp_path / "nope"))
     assert (
         result.returncode == 2
-        and "checkpoint not found" in result.stderr
+        and "does not exist; give an HF folder" in result.stderr
         and "Traceback" not in result.stderr
     )
 
@@ -69,7 +69,9 @@ def test_a_folder_that_is_no_checkpoint_is_bad_input(tmp_path: Path) -> None:
     result = _eval(tmp_path, tmp_path / "out", "--checkpoint", str(tmp_path / "stuff"))
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr
-    assert "run directory (with weights/)" in errors[0] and "HF folder" in errors[0]
+    assert (
+        "is not a checkpoint; give an HF folder" in errors[0] and "RUN/recover/step-N" in errors[0]
+    )
 
 
 def test_summary_rows() -> None:

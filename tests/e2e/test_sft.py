@@ -74,9 +74,10 @@ def test_sft_trains_the_same_at_every_layout(tmp_path: Path) -> None:
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), layout
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), layout
         assert one[-1]["eval_loss"] == pytest.approx(other[-1]["eval_loss"], abs=1e-5)
-        # Adam's steps at lr 3e-3 turn the tp all-reduces' rounding of near-zero gradients
-        # (embedding rows of unseen tokens) into differences of ~1e-4 in those weights
-        assert _max_diff(final["d1"], final[layout]) < (1e-5 if layout == "d2" else 1e-3), layout
+        # Adam's steps at lr 3e-3 turn the all-reduces' rounding of near-zero gradients
+        # (embedding rows of unseen tokens) into differences in those weights: ~1e-4 under
+        # tp; under d2 below 1e-5 on an Intel CPU, 2.6e-5 on an AMD EPYC (other kernels)
+        assert _max_diff(final["d1"], final[layout]) < (1e-4 if layout == "d2" else 1e-3), layout
     for run_dir in runs.values():
         _assert_no_processes_left(run_dir)
 

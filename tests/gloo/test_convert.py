@@ -71,6 +71,42 @@ def test_round_trip_is_bit_exact_and_serves(
     _serves(hf1, tmp_path / "serve.log")
 
 
+def test_bf16_verify_passes_and_a_failed_verify_replaces_nothing(
+    recover_entry: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from areal_cli.weights import convert as conversion
+
+    entry, model = recover_entry
+    out = tmp_path / "bf16"
+    args = ("convert-checkpoint", str(entry), str(out), "--model-config", str(model))
+    first = run_areal(*args, "--dtype", "bf16", "--verify")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "= 0 against SRC cast to bfloat16 (tolerance 0.0001)" in first.stdout
+    assert "against SRC as stored (the cost of rounding to bfloat16)" in first.stdout
+    assert load_file(str(out / "model.safetensors"))["model.norm.weight"].dtype == torch.bfloat16
+    before = (out / "model.safetensors").read_bytes()
+
+    real = conversion.dcp_to_hf
+
+    def one_value_off(src, tmp, *rest):  # a converter bug: one weight written wrong
+        records = real(src, tmp, *rest)
+        weights = load_file(str(tmp / "model.safetensors"))
+        weights["model.norm.weight"][0] += 1
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        return records
+
+    monkeypatch.setattr(conversion, "dcp_to_hf", one_value_off)
+    with pytest.raises(conversion.VerifyFailed, match="1 tensor.*model.norm.weight"):
+        conversion.convert(
+            entry, out, to=None, dtype="bf16", max_shard_size="5GB", force=True,
+            model_config=model, check=True,
+        )  # fmt: skip
+    assert (out / "model.safetensors").read_bytes() == before  # the earlier output stands
+    assert [p.name for p in tmp_path.iterdir()] == ["bf16"]  # no temporary folder left
+
+
 def _serves(model_dir: Path, log: Path) -> None:
     port = free_port()
     argv = ["serve", str(model_dir), "--port", str(port), "--log", str(log)]

@@ -91,19 +91,48 @@ def test_missing_model_exits_2_with_one_line(tmp_path: Path) -> None:
     result = run_areal("serve", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: model folder {tmp_path / 'nope'} does not exist "
-        "(give a folder, or builtin:tiny-arith)"
+        f"error: {tmp_path / 'nope'} does not exist; give an HF folder (config.json and "
+        "*.safetensors), a run directory (its newest weights/vN), RUN/weights/vN, "
+        "RUN/checkpoints/step-N or RUN/recover/step-N, or builtin:tiny-arith"
     ]
+
+
+def test_every_checkpoint_kind_is_served_or_refused_in_one_line(tmp_path: Path) -> None:
+    """serve takes what eval and convert-checkpoint take (areal_cli.rundir.checkpoints);
+    a run directory without weights, a DCP entry and a stray folder get one line each."""
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    for name in ("config.yaml", "plan.json"):
+        (run / name).write_text("{}")
+    (run / "recover" / "step-3" / "dcp").mkdir(parents=True)
+    (run / "recover" / "step-3" / "dcp" / ".metadata").write_bytes(b"")
+    (tmp_path / "stray").mkdir()
+    cases = {
+        run: "has no finished weights/vN yet",
+        run
+        / "recover"
+        / "step-3": "is a DCP checkpoint and serve serves HF folders; convert it first",
+        tmp_path / "stray": "is not a checkpoint; give an HF folder",
+    }
+    for path, said in cases.items():
+        result = run_areal("serve", str(path))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and said in lines[0], result.stderr
+        assert "Traceback" not in result.stderr
 
 
 def test_unknown_builtin_and_backend_exit_2(tmp_path: Path) -> None:
     result = run_areal("serve", "builtin:huge", "--model-cache", str(tmp_path))
+    model = tmp_path / "m"  # passes for an HF folder; the options are what is wrong
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
     assert result.returncode == 2 and "unknown builtin model 'builtin:huge'" in result.stderr
-    result = run_areal("serve", str(tmp_path), "--backend", "vlm")
+    result = run_areal("serve", str(model), "--backend", "vlm")
     assert result.returncode == 2 and "--backend must be one of embedded, sglang" in result.stderr
-    result = run_areal("serve", str(tmp_path), "--backend", "vllm", "--python", str(tmp_path))
+    result = run_areal("serve", str(model), "--backend", "vllm", "--python", str(tmp_path))
     assert result.returncode == 2 and "cannot import vllm with" in result.stderr
-    result = run_areal("serve", str(tmp_path), "--dtype", "auto")
+    result = run_areal("serve", str(model), "--dtype", "auto")
     assert result.returncode == 2 and "--dtype for embedded must be one of" in result.stderr
 
 

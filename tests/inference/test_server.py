@@ -209,6 +209,31 @@ def test_openai_clients(server: Server) -> None:
     assert comp.usage.completion_tokens <= 5
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope").models.list()
+    comp = client.completions.create(model=MODEL_NAME, prompt="1+1=", max_tokens=3, logprobs=0)
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
+        ({"tool_choice": "auto"}, "'tool_choice'"),
+        ({"n": 2}, "'n'"),
+        ({"top_logprobs": 3, "logprobs": True}, "'top_logprobs'"),
+        ({"stream": True}, "'stream'"),
+        ({"response_format": {"type": "json_object"}}, "'response_format'"),
+    ],
+)
+def test_a_field_the_server_cannot_honour_is_refused_by_name(
+    server: Server, extra: dict, named: str
+) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    with pytest.raises(openai.BadRequestError, match=named):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra
+        )
+    with pytest.raises(openai.BadRequestError, match="'logprobs' above 0"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, logprobs=2)
 
 
 def test_weight_update_route(

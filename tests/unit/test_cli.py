@@ -114,3 +114,16 @@ def test_a_fixed_port_that_is_taken_stops_the_run_before_anything_starts(tmp_pat
         f"launcher.inference_base_port: port {port} (server-0) is already in use" in result.stderr
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_plain_output_never_breaks_a_path(tmp_path: Path) -> None:
+    """Off a terminal (a pipe, here), rich wraps and folds nothing: a long path stays
+    whole on one line, whatever COLUMNS says."""
+    root = tmp_path / ("a-rather-long-folder-name-" * 4) / "runs"
+    result = run_areal(
+        "train", "recipes/tiny_cpu.yaml", "--dry-run", f"cluster.fileroot={root}",
+        env={"COLUMNS": "60"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name in ("server-0.log", "trainer.log", "controller.log"):
+        assert f"{root}/tiny-cpu/trial0/logs/{name}" in result.stdout
