@@ -37,8 +37,8 @@ def make_console(stderr: bool = False) -> Console:
     file, CI) nothing is wrapped or folded, so a path stays whole on its line."""
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
-        return Console(stderr=stderr, highlight=False)
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=UNWRAPPED)
+        return Console(stderr=stderr, highlight=False, emoji=False)
+    return Console(stderr=stderr, highlight=False, emoji=False, soft_wrap=True, width=UNWRAPPED)
 
 
 UNWRAPPED = 100_000  # the width of a console that is not a terminal: no line is ever wrapped
@@ -57,7 +57,7 @@ class Sink:
     def __init__(self, cfg: Any, run_dir: Path, live: bool):
         self.cfg, self.run_dir, self.live = cfg, run_dir, live
         # Plain mode writes to pipes and CI logs: never wrap a step line.
-        self.console = Console(highlight=False) if live else make_console()
+        self.console = Console(highlight=False, emoji=False) if live else make_console()
         self.stderr = make_console(stderr=True)
         for console in (self.console, self.stderr):  # rich would exit(1) on a closed pipe
             console.on_broken_pipe = lambda c=console: self._reader_gone(c)
@@ -74,25 +74,7 @@ class Sink:
         self._started = time.monotonic()
         self._open_writers()
         if self.live:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=self.console,
-            )
+            self._progress = progress_bar("train", self.console, with_info=True)
             self._task = self._progress.add_task(
                 "train", total=cfg.total_train_steps, completed=start_step, info="starting"
             )
@@ -218,6 +200,31 @@ class Sink:
             self._progress = None
 
 
+def progress_bar(label: str, console: Console, with_info: bool = False):
+    """A rich progress bar: label, bar, N/M, time elapsed and left (and a free-text
+    `info` field of the task, with `with_info`)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = [
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    ]
+    if with_info:
+        columns.append(TextColumn("{task.fields[info]}"))
+    return Progress(*columns, console=console)
+
+
 class BuildProgress:
     """The progress of a long preparation (building a builtin model), as `progress(done,
     total)` calls: a rich bar with steps and time left on a terminal, else one plain line
@@ -226,7 +233,7 @@ class BuildProgress:
     def __init__(self, label: str, live: bool | None = None, every_s: float = 5.0) -> None:
         self.label, self.every_s = label, every_s
         self.live = sys.stderr.isatty() if live is None else live
-        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.console = make_console(stderr=True)  # no emoji: builtin:x: stays as written
         self._bar = None
         self._task = None
         self._started = time.monotonic()
@@ -239,12 +246,12 @@ class BuildProgress:
             self._update_bar(done, total)
             return
         now = time.monotonic()
+        if done > 0 and self._first is None:
+            self._first = (now, done)  # the rate counts from here, not from the start-up
         if done == self._done or (now - self._last < self.every_s and done < total):
             return
         self._done, self._last = done, now
         elapsed = now - self._started
-        if done > 0 and self._first is None:
-            self._first = (now, done)  # the rate counts from here, not from the start-up
         left = ""
         if self._first is not None and done > self._first[1] and done < total:
             rate = (done - self._first[1]) / (now - self._first[0])
@@ -255,24 +262,7 @@ class BuildProgress:
 
     def _update_bar(self, done: int, total: int) -> None:
         if self._bar is None:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._bar = Progress(
-                TextColumn(f"[bold]{self.label}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
+            self._bar = progress_bar(self.label, self.console)
             self._task = self._bar.add_task(self.label, total=total)
             self._bar.start()
         self._bar.update(self._task, completed=done, total=total)
