@@ -135,7 +135,13 @@ def train(
 
             warn = lambda line: typer.echo(f"warning: {line}", err=True)  # noqa: E731
             raise typer.Exit(submit_run(loaded, plan, recipe, overrides, resume, typer.echo, warn))
-        again = shlex.join(["areal", "train", str(recipe), *overrides, "--resume"])
+        from areal_cli.config.loader import REDACTED
+
+        shown = [  # the key stays out of the console and the controller log
+            f"inference.api_key={REDACTED}" if o.startswith("inference.api_key=") else o
+            for o in overrides
+        ]
+        again = shlex.join(["areal", "train", str(recipe), *shown, "--resume"])
         code = 1
         try:
             sink = make_sink(loaded.config, Path(plan.run_dir))

@@ -198,4 +198,4 @@ def test_bad_sources_and_destinations(recover_entry: tuple[Path, Path], tmp_path
     )
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     nothing = run_areal("convert-checkpoint", str(tmp_path / "nope"), str(out))
-    assert nothing.returncode == 2 and "source not found" in nothing.stderr
+    assert nothing.returncode == 2 and "does not exist; give an HF folder" in nothing.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,7 +122,10 @@ def test_areal_stop_ends_the_job_and_every_step(slurm_cluster: str, tmp_path: Pa
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     assert _job_gone(job) and _steps(job) == []
     assert _state(tmp_path)[4] == "stopped"
-    assert "interrupted by SIGTERM" in (run_dir / "logs" / "controller.log").read_text()
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "stopped by SIGTERM" in log and "continue it with: areal train" in log
+    # the job's controller got the run's key as an override; its resume line shows none
+    assert re.findall(r"inference\.api_key=([^\s']+)", log) == ["<redacted>"]
     _assert_no_processes_left(run_dir)
 
 
