@@ -10,7 +10,15 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
+# Two make commands started together (two `make demo`) install once: the second waits on
+# the lock and finds the stamp fresh.
 $(STAMP): pyproject.toml constraints.txt
+	flock .venv.lock $(MAKE) --no-print-directory install-locked
+
+.PHONY: install-locked
+install-locked:
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt constraints.txt ]; then \
+	  echo "$(VENV) was installed meanwhile"; exit 0; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
