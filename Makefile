@@ -18,12 +18,15 @@ $(STAMP): pyproject.toml constraints.txt
 .PHONY: install-locked
 install-locked:
 	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt constraints.txt ]; then \
-	  echo "$(VENV) was installed meanwhile"; exit 0; fi
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	  echo "$(VENV) was installed meanwhile"; \
+	else \
+	  set -ex; \
+	  test -x $(BIN)/python || $(PY) -m venv $(VENV); \
+	  $(BIN)/python -m pip install --quiet --upgrade pip; \
+	  $(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0; \
+	  $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'; \
+	  touch $(STAMP); \
+	fi
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
