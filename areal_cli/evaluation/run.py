@@ -64,7 +64,8 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Chec
             from areal_cli.launch.train import build_builtin
 
             # Served from the cache: an eval of the initial model creates no run folder.
-            built = build_builtin(cfg, lambda line: print(f"[areal] {line}", flush=True))
+            say = lambda line: print(f"[areal] {line}", flush=True)  # noqa: E731
+            built = build_builtin(cfg.model.path, cfg.model.seed, say)
             return Checkpoint(built, "initial", None, built)
         path = Path(cfg.model.path)
         return Checkpoint(path, "initial", None, path)

@@ -35,7 +35,7 @@ from areal_cli.launch.restarts import Restarter
 from areal_cli.launch.watchdog import RunStuck, watch
 from areal_cli.rollout.controller import ServerAddress, run_loop, steps_in
 from areal_cli.rollout.recovery import ServerRecovery
-from areal_cli.rundir import heartbeat, registry
+from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
 from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
 
@@ -48,21 +48,23 @@ def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]
     if cfg.model.path.startswith("builtin:"):
         from areal_cli.models.builtin import materialize
 
-        build_builtin(cfg, say)  # announced, with its progress, when it builds
+        build_builtin(
+            cfg.model.path, cfg.model.seed, say
+        )  # announced, with its progress, when it builds
         materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, path)
     return path
 
 
-def build_builtin(cfg: Any, say: Callable[[str], None]) -> Path:
-    """The cache folder of the recipe's builtin model, built on first use: `say` gets a
-    line when a build starts, and a long one shows its steps (BuildProgress)."""
+def build_builtin(model: str, seed: int, say: Callable[[str], None]) -> Path:
+    """The cache folder of builtin model `model` (builtin:NAME) for `seed`, built on first
+    use: `say` gets a line when a build starts, and a long one shows its steps."""
     from areal_cli.metrics.display import BuildProgress
     from areal_cli.models.builtin import build_cached
     from areal_cli.rollout.rewards import numeric
 
-    progress = BuildProgress(f"building {cfg.model.path}")
+    progress = BuildProgress(f"building {model}")
     try:
-        return build_cached(cfg.model.path.split(":", 1)[1], cfg.model.seed, numeric, progress, say)
+        return build_cached(model.split(":", 1)[1], seed, numeric, progress, say)
     finally:
         progress.close()
 
@@ -88,7 +90,7 @@ def read_data(
             read_rows(data, check_columns=False).bad.settle(data.on_bad_row, warn)
         return None
     if cfg.model.path.startswith("builtin:"):  # the tokenizer of the cached build
-        source = build_builtin(cfg, say)
+        source = build_builtin(cfg.model.path, cfg.model.seed, say)
     else:
         source = cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)
@@ -165,8 +167,6 @@ async def _trainer_done(
 def _keep_newest_weights(run_dir: Path) -> None:
     """A finished run keeps only its newest weights/vN: the older ones (keep_last) were
     there for servers still reading them, and nothing reads them once the run is over."""
-    from areal_cli.rundir import handoff
-
     for entry in handoff.list_entries(run_dir / "weights", "v")[:-1]:
         handoff.remove_entry(entry.path)
 
