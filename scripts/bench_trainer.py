@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +154,7 @@ def compare_layouts(args: argparse.Namespace) -> None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         batch = make_batch(args.seqs, args.seq_len, vocab, group_size=min(4, args.seqs))
         for step in range(args.steps):
-            write_batch(work / "batches", step, batch)
+            write_batch(work / "batches", step + 1, batch)  # steps count from 1
         rows = {}
         for layout in ["d1", *args.layout.split(",")]:
             records = fsdp_steps(work, model_dir, work / "batches", args.steps, args.seqs, layout)
@@ -209,7 +208,7 @@ def main() -> None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         batch = make_batch(args.seqs, args.seq_len, vocab)
         for step in range(args.steps):
-            write_batch(work / "batches", step, batch)
+            write_batch(work / "batches", step + 1, batch)  # steps count from 1
         records = fsdp_steps(work, model_dir, work / "batches", args.steps, args.seqs)
         plain = plain_steps(model_dir, batch, args.steps)
         weight_bytes = (model_dir / "model.safetensors").stat().st_size

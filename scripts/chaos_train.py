@@ -181,11 +181,11 @@ def main() -> int:
     time.sleep(1.0)
     steps = steps_done(run_dir)
     counts = Counter(steps)
-    lost = [s for s in range(args.steps) if s not in counts]
+    lost = [s for s in range(1, args.steps + 1) if s not in counts]
     duplicated = [s for s, n in counts.items() if n > 1]
     orphans = processes_of(run_dir)
     partial = partial_entries(run_dir)
-    loads = weights_load(run_dir, args.steps - 1)
+    loads = weights_load(run_dir, args.steps)
     print(
         f"faults {sum(done.values())} ({', '.join(f'{k} {done[k]}' for k in KINDS)}), "
         f"resumes {resumes}, exit {proc.returncode}, {elapsed:.0f}s for {args.steps} steps"

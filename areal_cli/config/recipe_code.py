@@ -107,7 +107,7 @@ def spec_problem(
     if builtin_prefix and spec.startswith(REWARD_MODEL_PREFIX):
         path = reward_model_path(spec, recipe_dir)
         problem = reward_model_problem(path)
-        fix = "give the final checkpoint of an algorithm: rm run, e.g. model:../runs/tiny-rm/trial0/checkpoints/step-149"
+        fix = "give the final checkpoint of an algorithm: rm run, e.g. model:../runs/tiny-rm/trial0/checkpoints/step-150"
         if problem and not path.exists() and not launch:
             return f"{problem}; a real run needs it", fix, True
         return (problem, fix, False) if problem else None

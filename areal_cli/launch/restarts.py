@@ -9,10 +9,10 @@ keep running:
      file system is full or read-only (areal_cli.rundir.disk), the run stops instead;
   2. the steps after the checkpoint are forgotten (`trim_after`: their rollouts, their
      weights and their metrics lines), so they are redone, each written once;
-  3. the trainer starts again with --resume: it loads the entry and republishes its
-     weights as v(N+1), which the servers load before the rollout loop, restarted at step
-     N+1 from the dataset position stored with rollouts/step-N, draws anything new.
-     Without a recover entry the run restarts from step 0, and the servers restart too
+  3. the trainer starts again with --resume: it loads recover/step-K and republishes its
+     weights as vK, which the servers load before the rollout loop, restarted at step
+     K+1 from the dataset position stored with rollouts/step-K, draws anything new.
+     Without a recover entry the run restarts from step 1, and the servers restart too
      (they hold weights trained after the start).
 
 An inference server that dies is restarted on its own (same command line, port and log)
@@ -33,7 +33,7 @@ from typing import Any
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.rundir import handoff, heartbeat
 from areal_cli.rundir.disk import diagnose
-from areal_cli.rundir.layout import trim_after
+from areal_cli.rundir.layout import STEP_PREFIX, trim_after
 
 
 class RestartBudget:
@@ -90,9 +90,9 @@ class Restarter:
             raise problem
         if not self._allowed(failed, "trainer"):
             raise failed
-        entry = handoff.latest(run_dir / "recover", "step-")
-        start = entry.version + 1 if entry else 0
-        where = f"{entry.path} at step {start}" if entry else "the start (no recover entry yet)"
+        entry = handoff.latest(run_dir / "recover", STEP_PREFIX)
+        start = entry.version + 1 if entry else 1
+        where = f"{entry.path}, at step {start}" if entry else "the start (no recover entry yet)"
         self.sink.warn(f"{failed}; relaunching the trainer from {where}")
         trim_after(run_dir, start - 1)
         heartbeat.clear(run_dir)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from areal_cli.rundir.layout import STEP_PREFIX
+
 RUN_FILE = "run.json"
 END_STATES = {0: "finished", 130: "stopped"}  # any other exit code: failed
 
@@ -137,7 +139,7 @@ def _metrics_lines(run_dir: Path) -> list[dict]:
 
 def _has_recover(run_dir: Path) -> bool:
     recover = run_dir / "recover"
-    return recover.is_dir() and any(p.name.startswith("step-") for p in recover.iterdir())
+    return recover.is_dir() and any(p.name.startswith(STEP_PREFIX) for p in recover.iterdir())
 
 
 @dataclass
@@ -147,7 +149,7 @@ class RunView:
     run_dir: Path
     record: dict
     state: str
-    step: int  # steps in metrics.jsonl
+    step: int  # steps done: the last step of metrics.jsonl (steps count from 1)
     total: int
     last: dict  # the last metrics line
     age_s: float  # since the last metrics line (or the start)
@@ -176,7 +178,8 @@ def view(run_dir: Path) -> RunView:
     last = rows[-1] if rows else {}
     since = float(last.get("time") or record.get("started") or time.time())
     total = int(record.get("total_steps") or 0)
-    return RunView(run_dir, record, state, len(rows), total, last, time.time() - since)
+    step = int(last.get("step", 0))
+    return RunView(run_dir, record, state, step, total, last, time.time() - since)
 
 
 def _job_view(run_dir: Path, record: dict) -> str:

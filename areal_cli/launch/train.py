@@ -37,7 +37,7 @@ from areal_cli.rollout.controller import ServerAddress, run_loop, steps_in
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
-from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
+from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, step_name, trim_after
 
 
 def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]) -> Path:
@@ -173,11 +173,12 @@ def _keep_newest_weights(run_dir: Path) -> None:
 
 def _resume_line(run_dir: Path, start_step: int, total: int) -> str:
     """Where a resumed run starts, in words (steps counted from 1, as on the console)."""
-    if start_step == 0:
+    if start_step == 1:
         return f"resuming {run_dir}: no recover entry yet, so it starts over from step 1"
+    done = start_step - 1
     return (
-        f"resuming {run_dir} from recover/step-{start_step - 1}: {start_step} of {total} steps "
-        f"done, continuing at step {start_step + 1}"
+        f"resuming {run_dir} from recover/{step_name(done)}: {done} of {total} steps "
+        f"done, continuing at step {start_step}"
     )
 
 
@@ -239,8 +240,8 @@ def run_training(
     if resume:
         trim_after(run_dir, start_step - 1)
         sink.status(_resume_line(run_dir, start_step, cfg.total_train_steps))
-    if start_step >= cfg.total_train_steps:
-        sink.status(f"nothing to do: the run already finished {start_step} steps")
+    if start_step > cfg.total_train_steps:
+        sink.status(f"nothing to do: the run already finished {start_step - 1} steps")
         return 0
     ensure_model(loaded, run_dir, sink.status)
     heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog

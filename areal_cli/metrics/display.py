@@ -71,12 +71,13 @@ class Sink:
 
     # -- lifecycle
     def start(self, cfg: Any, start_step: int) -> None:
+        """The run starts (or resumes) at step `start_step`: start_step-1 steps are done."""
         self._started = time.monotonic()
         self._open_writers()
         if self.live:
             self._progress = progress_bar("train", self.console, with_info=True)
             self._task = self._progress.add_task(
-                "train", total=cfg.total_train_steps, completed=start_step, info="starting"
+                "train", total=cfg.total_train_steps, completed=start_step - 1, info="starting"
             )
             self._progress.start()
 
@@ -91,12 +92,12 @@ class Sink:
         self.history.append(metrics)
         self._write_events(metrics)
         line = _format(metrics)
-        self._log_line(f"step {metrics['step'] + 1}/{self.cfg.total_train_steps} {line}")
+        self._log_line(f"step {metrics['step']}/{self.cfg.total_train_steps} {line}")
         if self._progress is not None:
-            self._progress.update(self._task, completed=metrics["step"] + 1, info=line)
+            self._progress.update(self._task, completed=metrics["step"], info=line)
         else:
             total = self.cfg.total_train_steps
-            self._print(self.console, f"[areal] step {metrics['step'] + 1}/{total} {line}")
+            self._print(self.console, f"[areal] step {metrics['step']}/{total} {line}")
 
     def warn(self, text: str) -> None:
         """A warning line on stderr (and in the controller log)."""
@@ -327,7 +328,7 @@ def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
 
 
 def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
-    """RUN/reward_curve.png: mean reward per step (numbered from 1, as the console counts),
+    """RUN/reward_curve.png: mean reward per step (steps count from 1 everywhere),
     with its std band clipped to the rewards actually seen (a 0/1 reward never shows a
     band above 1)."""
     import matplotlib
@@ -335,7 +336,7 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] + 1 for h in history]
+    steps = [h["step"] for h in history]
     mean = [h.get("reward_mean", float("nan")) for h in history]
     std = [h.get("reward_std", 0.0) for h in history]
     low = min((h["reward_min"] for h in history if "reward_min" in h), default=-math.inf)
@@ -368,11 +369,11 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(
-        [h["step"] + 1 for h in history],
+        [h["step"] for h in history],
         [h.get("nll", h["loss"]) for h in history],
         label="train (NLL)",
     )
-    held = [(h["step"] + 1, h["eval_loss"]) for h in history if "eval_loss" in h]
+    held = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
     held[:0] = [(0, h["eval_loss_initial"]) for h in history if "eval_loss_initial" in h]
     if held:
         ax.plot(
@@ -383,7 +384,7 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path) -> Path:
         )
     ax.set_xlabel("trainer step")
     ax.set_ylabel("loss per pair" if "accuracy" in history[0] else "loss per target token")
-    accuracy = [(h["step"] + 1, h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
+    accuracy = [(h["step"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
     accuracy[:0] = [
         (0, h["eval_accuracy_initial"]) for h in history if "eval_accuracy_initial" in h
     ]

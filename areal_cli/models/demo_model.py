@@ -45,6 +45,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_cli.rundir import handoff
+from areal_cli.rundir.layout import STEP_PREFIX
 
 # Grades a completion against the reference answer (the recipe's reward, builtin:numeric,
 # given by the caller: models sit below rollout and do not import its rewards).
@@ -281,6 +282,7 @@ def _run_sft(
     import time
 
     import yaml
+
     from areal_cli.rundir.process import die_with_parent
 
     total = int(yaml.safe_load(recipe.read_text())["total_train_steps"])
@@ -315,7 +317,7 @@ def _run_sft(
             if child.poll() is None:  # interrupted: the run goes with its parent
                 child.kill()
                 child.wait()
-    found = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    found = [e.path for e in handoff.list_entries(run_dir / "checkpoints", STEP_PREFIX)]
     if child.returncode != 0 or not found:
         tail = "\n".join(output.read_text(errors="replace").strip().splitlines()[-15:])
         raise RuntimeError(

@@ -12,15 +12,15 @@ Loop (asyncio), three tasks:
   metrics   when the trainer finishes step N, join its stats with the rollout stats of
             batch N into one line of RUN/metrics.jsonl, TensorBoard and the display.
 
-Staleness rule: a group started while the servers hold weight version v may feed trainer
-step s only if s - v <= rollout.max_staleness. The rollout task starts a new group only
-while the groups started so far fit in the steps that version v may still feed, and it
-drops (and counts) any group that finished too late. Step s trains the weights of version
-s, so with max_staleness 0 every batch is generated entirely by the current weights:
-synchronous RL.
+Staleness rule (areal_cli.rollout.gate): steps count from 1, and step k trains the weights
+of version k-1, so a group started while the servers hold version v may feed step k only
+if k-1-v <= rollout.max_staleness. The rollout task starts a new group only while the
+groups started so far fit in the steps that version v may still feed, and it drops (and
+counts) any group that finished too late. With max_staleness 0 every batch is generated
+entirely by the current weights: synchronous RL.
 
-Resume: the trainer restores RUN/recover/step-N and republishes weights v(N+1); the loop
-starts at step N+1 with the dataset position saved with batch N. Prompts that were in
+Resume: the trainer restores RUN/recover/step-K and republishes its weights as vK; the
+loop starts at step K+1 with the dataset position saved with batch K. Prompts that were in
 flight when the run died are skipped, not replayed.
 """
 
@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.config.loader import LoadedConfig
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.workflows import EpisodeClient, Trajectory, Workflow, resolve_workflow
 from areal_cli.rundir import handoff
+from areal_cli.rundir.layout import STEP_PREFIX, step_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -148,26 +150,20 @@ class RolloutContext:
     rewards: RewardPool
     workflow: Workflow
     stream: PromptStream[Prompt]
-    total_steps: int
+    gate: StalenessGate
 
 
 def _may_launch(ctx: RolloutContext, state: LoopState) -> bool:
     """The staleness gate and the concurrency cap (see the module docstring)."""
-    r = ctx.cfg.rollout
-    if state.version < 0:
-        return False
-    cap = r.max_concurrent_rollouts or r.batch_size * (r.max_staleness + 1)
-    usable_steps = min(state.version + r.max_staleness + 1, ctx.total_steps) - state.next_step
-    already = state.in_flight + len(state.ready)
-    return state.in_flight < cap and already < usable_steps * r.batch_size
+    return ctx.gate.may_launch(state.version, state.next_step, state.in_flight, len(state.ready))
 
 
 async def rollout_task(ctx: RolloutContext, state: LoopState) -> None:
     """Launch groups as the gate allows; assemble and write batches in order."""
     tasks: set[asyncio.Task] = set()
-    group_index = state.next_step * ctx.cfg.rollout.batch_size
+    group_index = ctx.gate.group_index(state.next_step)
     try:
-        while state.next_step < ctx.total_steps:
+        while state.next_step <= ctx.gate.total_steps:
             while _may_launch(ctx, state):
                 prompt = ctx.stream.next_batch(1)[0]
                 task = asyncio.create_task(run_group(ctx, prompt, group_index, state.version))
@@ -219,7 +215,7 @@ def _assemble_batch(ctx: RolloutContext, state: LoopState) -> bool:
         group = state.ready.popleft()
         if isinstance(group, BaseException):
             raise RunFailed(f"a rollout failed: {group}") from group
-        if step - group.oldest_version > r.max_staleness:
+        if not ctx.gate.fresh(step, group.oldest_version):
             state.dropped_stale += 1
             continue
         fresh.append(group)
@@ -235,7 +231,7 @@ def _assemble_batch(ctx: RolloutContext, state: LoopState) -> bool:
 def write_rollout_batch(
     ctx: RolloutContext, state: LoopState, step: int, groups: list[Group]
 ) -> None:
-    """Pack the groups into RUN/rollouts/step-N and remember their stats."""
+    """Pack the groups into RUN/rollouts/step-K and remember their stats."""
     import torch
 
     from areal_cli.rundir.batch import RolloutBatch, write_batch
@@ -252,7 +248,7 @@ def write_rollout_batch(
     ]
     rewards = [t.reward for t in trajs]
     batch = RolloutBatch.from_sequences(seqs, rewards, ctx.cfg.rollout.group_size)
-    staleness = [step - g.oldest_version for g in groups]
+    staleness = [ctx.gate.staleness(step, g.oldest_version) for g in groups]
     generated = sum(t.n_generated for t in trajs)
     stats = {
         "reward_mean": statistics.fmean(rewards),
@@ -280,7 +276,7 @@ def write_rollout_batch(
     state.batch_stats[step] = stats
     handoff.gc(
         ctx.run_dir / "rollouts",
-        "step-",
+        STEP_PREFIX,
         keep_last=ctx.cfg.rollout.max_staleness + 2 + ctx.cfg.recover.freq_steps,
     )
 
@@ -381,12 +377,13 @@ async def metrics_task(
             record = json.loads(line)
             if record["step"] not in done:
                 pending[record["step"]] = record
-        # A step's line is complete once the servers loaded the weights it produced, or
-        # newer ones (a version can be skipped when the next lands first: no load figures)
-        for step in sorted(s for s in pending if state.version >= s + 1):
+        # A step's line is complete once the servers loaded the weights it produced (step
+        # k's are vk), or newer ones (a version can be skipped when the next lands first:
+        # no load figures then)
+        for step in sorted(s for s in pending if state.version >= s):
             record = pending.pop(step)
             rollout = state.batch_stats.get(step) or _stored_stats(ctx.run_dir, step)
-            metrics = build_metrics(record, rollout, state.handoff.get(step + 1, {}))
+            metrics = build_metrics(record, rollout, state.handoff.get(step, {}))
             metrics |= counters | {"requests_reissued": ctx.inference.reissued}
             with open(ctx.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -409,7 +406,7 @@ def _stored_stats(run_dir: Path, step: int) -> dict:
     """A step's rollout figures from its batch entry: after a restart, for a step whose
     batch an earlier controller wrote but whose line it never did."""
     try:
-        return dict(handoff.read_entry(run_dir / "rollouts" / f"step-{step}").meta["stats"])
+        return dict(handoff.read_entry(run_dir / "rollouts" / step_name(step)).meta["stats"])
     except (handoff.IncompleteEntry, KeyError):
         return {}
 
@@ -493,10 +490,9 @@ async def run_loop(
         workflow = resolve_workflow(
             cfg.rollout.workflow, loaded.recipe.resolve().parent, cfg.rollout.max_turns
         )
-        ctx = RolloutContext(
-            cfg, run_dir, client, tokenizer, rewards, workflow, stream, cfg.total_train_steps
-        )
-        state = LoopState(version=0 if start_step == 0 else -1, next_step=start_step)
+        gate = StalenessGate.from_config(cfg)
+        ctx = RolloutContext(cfg, run_dir, client, tokenizer, rewards, workflow, stream, gate)
+        state = LoopState(version=0 if start_step == 1 else -1, next_step=start_step)
         sink.status(f"training ({len(prompts)} prompts)")
         tasks = [
             asyncio.create_task(rollout_task(ctx, state)),
@@ -537,8 +533,9 @@ async def _drain_metrics(
 
 
 def _restore_stream(stream: PromptStream[Prompt], run_dir: Path, start_step: int) -> None:
-    if start_step == 0:
+    """The dataset position after batch start_step-1, saved with it (a resumed run)."""
+    if start_step == 1:
         return
-    entry = handoff.latest(run_dir / "rollouts", "step-")
+    entry = handoff.latest(run_dir / "rollouts", STEP_PREFIX)
     if entry is not None and entry.version == start_step - 1 and "data_state" in entry.meta:
         stream.load_state_dict(entry.meta["data_state"])

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from areal_cli.rundir import handoff
+from areal_cli.rundir.layout import step_name
 
 BATCH_FILE = "batch.safetensors"
 _TOKEN_KEYS = ("input_ids", "loss_mask", "logprobs", "versions")
@@ -103,7 +104,7 @@ def write_batch(
     data = save({k: v.contiguous() for k, v in tensors.items()})
     info = {"group_size": batch.group_size, "n_seqs": batch.n_seqs, **(meta or {})}
     return handoff.write_entry(
-        parent, f"step-{step}", step, lambda d: [handoff.write_bytes(d, BATCH_FILE, data)], info
+        parent, step_name(step), step, lambda d: [handoff.write_bytes(d, BATCH_FILE, data)], info
     )
 
 

@@ -4,6 +4,12 @@
       config.yaml  plan.json  metrics.jsonl  reward_curve.png
       logs/ heartbeat/ rollouts/ weights/ checkpoints/ recover/ eval/  model/ (builtins)
 
+Steps count from 1, in every name and figure: step K is the K-th update of the model.
+It trains on rollouts/step-K, publishes weights/vK (v0 is the initial model), is the line
+`"step": K` of metrics.jsonl, the console's "step K/N" and `areal status`'s K/N (K steps
+done), and when due it writes recover/step-K and checkpoints/step-K: the state after K
+steps. A resume from recover/step-K goes on with step K+1.
+
 `prepare_run_dir` creates the tree and writes config.yaml and plan.json (each through a
 temp name and a rename); `trim_after` forgets what a resumed run will redo. Both only
 touch this run's own directory.
@@ -18,6 +24,20 @@ from typing import Any
 
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import handoff
+
+STEP_PREFIX = "step-"  # rollouts/, recover/, checkpoints/: step-K
+VERSION_PREFIX = "v"  # weights/: vK
+
+
+def step_name(step: int) -> str:
+    """The entry of step `step` (from 1) under rollouts/, recover/ or checkpoints/."""
+    return f"{STEP_PREFIX}{step}"
+
+
+def version_name(version: int) -> str:
+    """The entry of weight version `version` under weights/ (the weights after that many steps)."""
+    return f"{VERSION_PREFIX}{version}"
+
 
 RUN_SUBDIRS = (
     "logs", "heartbeat", "registry", "rollouts", "weights", "checkpoints", "recover", "eval",
@@ -61,7 +81,8 @@ def model_files_to_copy(model_dir: Path) -> list[Path]:
 def prepare_run_dir(
     run_dir: Path, dirs: list[str], config_yaml: str, plan: dict[str, Any], resume: bool
 ) -> int:
-    """Create the run tree and write config.yaml and plan.json; returns the first step.
+    """Create the run tree and write config.yaml and plan.json; returns the first step to
+    run (1, or the step after the newest recover entry).
 
     A directory that already holds published weights is refused unless `resume` is set."""
     started = (run_dir / "weights").is_dir() and any((run_dir / "weights").iterdir())
@@ -74,18 +95,18 @@ def prepare_run_dir(
     handoff.write_json_atomic(run_dir / "plan.json", plan)
     handoff.write_text_atomic(run_dir / "config.yaml", config_yaml)
     if not resume:
-        return 0
-    entry = handoff.latest(run_dir / "recover", "step-")
-    return entry.version + 1 if entry else 0
+        return 1
+    entry = handoff.latest(run_dir / "recover", STEP_PREFIX)
+    return entry.version + 1 if entry else 1
 
 
 def trim_after(run_dir: Path, last_step: int) -> None:
-    """Forget rollouts and metrics of steps after `last_step` (they will be redone)."""
-    for entry in handoff.list_entries(run_dir / "rollouts", "step-"):
+    """Forget rollouts, weights and metrics of steps after `last_step` (they will be redone)."""
+    for entry in handoff.list_entries(run_dir / "rollouts", STEP_PREFIX):
         if entry.version > last_step:
             handoff.remove_entry(entry.path)
-    for entry in handoff.list_entries(run_dir / "weights", "v"):
-        if entry.version > last_step + 1:  # trained after the checkpoint: will be redone
+    for entry in handoff.list_entries(run_dir / "weights", VERSION_PREFIX):
+        if entry.version > last_step:  # trained after the checkpoint: will be redone
             handoff.remove_entry(entry.path)
     for name in ("metrics.jsonl", "logs/trainer-metrics.jsonl"):
         path = run_dir / name

@@ -1,6 +1,6 @@
 """Recover checkpoints (DCP) and Hugging Face exports, both as handoff entries.
 
-Recover: `RUN/recover/step-N/` holds a DCP checkpoint of the sharded model and optimizer
+Recover: `RUN/recover/step-K/` (the state after K steps, counted from 1) holds a DCP checkpoint of the sharded model and optimizer
 (under `dcp/`), plus `state.json` (step, scheduler, loop state) and one `rng-rankR.pt`
 per rank. Every rank writes its DCP shard into the entry's temp directory; after a
 barrier rank 0 records the files, writes the manifest and renames (see handoff). DCP
@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_cli.rundir import handoff
-
-RECOVER_PREFIX = "step-"
+from areal_cli.rundir.layout import STEP_PREFIX, step_name
 
 
 def _broadcast_object(obj: Any) -> Any:
@@ -93,12 +92,12 @@ def save_recover(
         dcp.save(everything, checkpoint_id=str(tmp / "dcp"), no_dist=_alone())
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
     dist.barrier()
-    final = parent / f"{RECOVER_PREFIX}{step}"
+    final = parent / step_name(step)
     if rank == 0:
         handoff.write_json_atomic(tmp / "state.json", state)
         meta = {"step": step, "world_size": dist.get_world_size()}
         handoff.finish_entry(tmp, final, step, handoff.record_tree(tmp), meta)
-        handoff.gc(parent, RECOVER_PREFIX, keep_last)
+        handoff.gc(parent, STEP_PREFIX, keep_last)
     dist.barrier()
     return final
 

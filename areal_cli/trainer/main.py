@@ -6,10 +6,11 @@
 Setup, then the loop, then cleanup:
   setup   process group (nccl on GPUs, gloo on CPU), device mesh, FSDP2 model, optimizer;
           with --resume, the newest RUN/recover/step-N entry restores everything.
-  loop    for each step s: wait for RUN/rollouts/step-s (or DIR/step-s with --batches),
-          train, publish weights RUN/weights/v{s+1}, append one line of stats to
-          RUN/logs/trainer-metrics.jsonl, and every recover.freq_steps write RUN/recover.
-          Under a supervised role (algorithm: sft or rm) the batch is step s's rows of
+  loop    for each step k, counted from 1 (see areal_cli.rundir.layout): wait for
+          RUN/rollouts/step-k (or DIR/step-k with --batches), train, publish weights
+          RUN/weights/vk, append one line of stats to RUN/logs/trainer-metrics.jsonl,
+          and every recover.freq_steps write RUN/recover/step-k.
+          Under a supervised role (algorithm: sft or rm) the batch is step k's rows of
           the dataset (see areal_cli.trainer.sft and .rm), with the held-out metrics
           every ROLE.eval_freq_steps, and nothing is published (there is no server).
           algorithm: rm trains a scalar head on the model's body: rank 0 first writes
@@ -42,6 +43,7 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import handoff
 from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.heartbeat import Heartbeat
+from areal_cli.rundir.layout import STEP_PREFIX, step_name, version_name
 from areal_cli.trainer import checkpoint
 from areal_cli.trainer.parallelize import build_sharded_model, scalar_model
 from areal_cli.trainer.step import train_step
@@ -211,40 +213,43 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         role = RewardModelRole.from_config(cfg, model_dir)
     if role is not None:
         print0(f"[trainer] {role.describe()}")
-    start = 0
-    if args.resume and (entry := handoff.latest(run_dir / "recover", checkpoint.RECOVER_PREFIX)):
+    start = 1  # the first step this process trains (steps count from 1)
+    if args.resume and (entry := handoff.latest(run_dir / "recover", STEP_PREFIX)):
         beat.phase(f"load {entry.path.name}")
         state = checkpoint.load_recover(entry, model, optimizer, _extra(critic))
         scheduler.load_state_dict(state["scheduler"])
         if critic is not None:
             critic.scheduler.load_state_dict(state["critic_scheduler"])
-        start = state["step"] + 1
-        beat.steps_done = start
+        done = state["step"]
+        start = done + 1
+        beat.steps_done = done
         if role is None:  # republish the restored weights: servers continue from exactly them
-            meta = {"step": start - 1, "resumed": True}
+            meta = {"step": done, "resumed": True}
             checkpoint.export_hf(
                 run_dir / "weights",
-                f"v{start}",
-                start,
+                version_name(done),
+                done,
                 model,
                 model_dir,
                 meta,
                 cfg.actor.weight_update.keep_last,
             )
-        print0(f"[trainer] resumed from {entry.path} at step {start}")
+        print0(
+            f"[trainer] resumed from {entry.path}: {done} steps done, going on with step {start}"
+        )
     last = min(
         cfg.total_train_steps, args.steps if args.steps is not None else cfg.total_train_steps
     )
     initial_eval = {}
-    if role is not None and role.has_eval and start == 0:
+    if role is not None and role.has_eval and start == 1:
         initial_eval = role.evaluate(cfg, model, layout, beat.phase)
         print0(f"[trainer] before training {_eval_line(initial_eval)}")
-    for step in range(start, last):
+    for step in range(start, last + 1):
         if role is not None:
             record = run_supervised_step(
                 step, cfg, model, optimizer, scheduler, role, beat, layout, last
             )
-            if step == 0:  # where the held-out curves start
+            if step == 1:  # where the held-out curves start
                 record.update({f"{k}_initial": v for k, v in initial_eval.items()})
             finish_step(step, cfg, run_dir, model, optimizer, scheduler, model_dir, record, beat)
             continue
@@ -264,21 +269,13 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         )
     beat.phase("final barrier")
     dist.barrier()
-    final = run_dir / "checkpoints" / f"step-{last - 1}"
+    final = run_dir / "checkpoints" / step_name(last)
     # also when resumed at the end: the killed trainer may have died before writing it
-    if cfg.saver.freq_steps == 0 and last > 0 and (last > start or not final.exists()):
+    if cfg.saver.freq_steps == 0 and last > 0 and (last >= start or not final.exists()):
         beat.phase("final checkpoint")
-        checkpoint.export_hf(
-            run_dir / "checkpoints",
-            f"step-{last - 1}",
-            last,
-            model,
-            model_dir,
-            keep_last=cfg.saver.keep_last,
-            prefix="step-",
-        )
+        _export_checkpoint(run_dir, last, model, model_dir, cfg)
         if critic is not None:
-            _export_critic(run_dir, last - 1, critic, cfg)
+            _export_checkpoint(run_dir, last, critic.model, critic.model_dir, cfg, "critic")
     checkpoint.wait_for_cleanup()
     beat.phase("done")
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
@@ -308,16 +305,19 @@ def _extra(critic) -> dict | None:
     return {"critic": (critic.model, critic.optimizer)} if critic is not None else None
 
 
-def _export_critic(run_dir: Path, step: int, critic, cfg: ExperimentConfig) -> None:
-    """The critic as an HF folder RUN/checkpoints/critic/step-N (collective)."""
+def _export_checkpoint(
+    run_dir: Path, step: int, model, model_dir: Path, cfg: ExperimentConfig, sub: str = ""
+) -> None:
+    """The model after `step` steps as an HF folder RUN/checkpoints[/SUB]/step-K
+    (collective; SUB "critic" for the PPO critic)."""
     checkpoint.export_hf(
-        run_dir / "checkpoints" / "critic",
-        f"step-{step}",
-        step + 1,
-        critic.model,
-        critic.model_dir,
+        run_dir / "checkpoints" / sub if sub else run_dir / "checkpoints",
+        step_name(step),
+        step,
+        model,
+        model_dir,
         keep_last=cfg.saver.keep_last,
-        prefix="step-",
+        prefix=STEP_PREFIX,
     )
 
 
@@ -338,7 +338,7 @@ def run_one_step(
     """Wait for the batch, train on it, publish weights, log, checkpoint."""
     source = batches_dir or run_dir / "rollouts"
     step_start = time.perf_counter()
-    entry, waited = wait_for_entry(source, f"step-{step}", batches_dir is not None, beat)
+    entry, waited = wait_for_entry(source, step_name(step), batches_dir is not None, beat)
     beat.phase(f"step {step}: read batch")
     batch = read_batch(entry)
     t0 = time.perf_counter()
@@ -353,16 +353,16 @@ def run_one_step(
         beat=lambda phase: beat.phase(f"step {step}: {phase}"),
         layout=layout,
         critic=critic,
-        policy_version=step,  # the weights now: version `step` (v0 is the initial model)
+        policy_version=step - 1,  # the weights now: those after step-1 steps (v0: initial)
     )
     train_s = time.perf_counter() - t0
-    beat.phase(f"step {step}: publish v{step + 1}")
+    beat.phase(f"step {step}: publish {version_name(step)}")
     t1 = time.perf_counter()
     meta = {"step": step, "stats": stats}
     checkpoint.export_hf(
         run_dir / "weights",
-        f"v{step + 1}",
-        step + 1,
+        version_name(step),
+        step,
         model,
         model_dir,
         meta,
@@ -372,7 +372,7 @@ def run_one_step(
     record = {
         **_memory_mb(model, optimizer),
         "step": step,
-        "weight_version": step + 1,
+        "weight_version": step,
         **stats,
         "train_s": train_s,
         "wait_s": waited,
@@ -421,7 +421,7 @@ def finish_step(
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-    if cfg.recover.freq_steps and (step + 1) % cfg.recover.freq_steps == 0:
+    if cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0:
         beat.phase(f"step {step}: save recover checkpoint")
         t2 = time.perf_counter()
         state = {"step": step, "scheduler": scheduler.state_dict()}
@@ -437,20 +437,12 @@ def finish_step(
             _extra(critic),
         )
         print0(f"step {step}: recover checkpoint in {time.perf_counter() - t2:.2f}s")
-    if cfg.saver.freq_steps and (step + 1) % cfg.saver.freq_steps == 0:
+    if cfg.saver.freq_steps and step % cfg.saver.freq_steps == 0:
         beat.phase(f"step {step}: save checkpoint")
-        checkpoint.export_hf(
-            run_dir / "checkpoints",
-            f"step-{step}",
-            step + 1,
-            model,
-            model_dir,
-            keep_last=cfg.saver.keep_last,
-            prefix="step-",
-        )
+        _export_checkpoint(run_dir, step, model, model_dir, cfg)
         if critic is not None:
-            _export_critic(run_dir, step, critic, cfg)
-    beat.steps_done = step + 1
+            _export_checkpoint(run_dir, step, critic.model, critic.model_dir, cfg, "critic")
+    beat.steps_done = step
 
 
 if __name__ == "__main__":

@@ -193,9 +193,7 @@ class RewardModelRole:
         return self.held_out is not None
 
     def due(self, cfg: ExperimentConfig, step: int, last: int) -> bool:
-        return self.held_out is not None and (
-            (step + 1) % cfg.rm.eval_freq_steps == 0 or step + 1 == last
-        )
+        return self.held_out is not None and (step % cfg.rm.eval_freq_steps == 0 or step == last)
 
     @torch.no_grad()
     def evaluate(self, cfg, model, layout, beat) -> dict[str, float]:

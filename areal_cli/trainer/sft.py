@@ -7,7 +7,8 @@ the generation prompt, `dataset.system_prompt`), then the answer's tokens and EO
 what a server would have to generate. A conversation is rendered whole; the tokens each
 assistant turn adds are its targets. The loss is on target tokens only.
 
-Steps: every rank tokenizes the whole dataset, and step s takes examples s*B .. s*B+B-1 of
+Steps: every rank tokenizes the whole dataset, and step k (from 1) takes examples
+(k-1)*B .. k*B-1 of
 an endless sequence of epochs, each shuffled with `dataset.seed` + epoch (B =
 `sft.batch_size`). So a step's examples depend on the step number only, and a resumed run
 continues exactly. The step itself is the actor's machinery (areal_cli.trainer.step):
@@ -143,9 +144,7 @@ class SFTData:
         return self.eval is not None
 
     def due(self, cfg: ExperimentConfig, step: int, last: int) -> bool:
-        return self.eval is not None and (
-            (step + 1) % cfg.sft.eval_freq_steps == 0 or step + 1 == last
-        )
+        return self.eval is not None and (step % cfg.sft.eval_freq_steps == 0 or step == last)
 
     def evaluate(self, cfg, model, layout, beat) -> dict[str, float]:
         assert self.eval is not None
@@ -200,10 +199,10 @@ def _conversation(tokenizer: Any, messages: Any, n: int, path: str) -> tuple[lis
 def step_indices(
     n_examples: int, batch_size: int, step: int, seed: int, shuffle: bool
 ) -> list[int]:
-    """The examples of `step`: positions step*B .. step*B+B-1 of the endless sequence of
-    epochs, each epoch a permutation seeded with seed + epoch."""
+    """The examples of `step` (from 1): positions (step-1)*B .. step*B-1 of the endless
+    sequence of epochs, each epoch a permutation seeded with seed + epoch."""
     out = []
-    for position in range(step * batch_size, (step + 1) * batch_size):
+    for position in range((step - 1) * batch_size, step * batch_size):
         epoch, offset = divmod(position, n_examples)
         out.append(_epoch_order(n_examples, seed + epoch, shuffle)[offset])
     return out

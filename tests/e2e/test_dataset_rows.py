@@ -56,7 +56,7 @@ def test_train_skips_bad_rows_with_a_warning_per_kind(tmp_path: Path) -> None:
     log = (run_dir / "logs" / "controller.log").read_text()
     assert all(w in log for w in warnings)
     assert f"training ({n_good} prompts)" in log
-    assert [r["step"] for r in _metrics(run_dir)] == [0]
+    assert [r["step"] for r in _metrics(run_dir)] == [1]
     _assert_no_processes_left(run_dir)
 
 

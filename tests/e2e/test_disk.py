@@ -55,7 +55,7 @@ def _resume_finishes(args: list[str], run_dir: Path, steps: int) -> None:
         args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["step"] for r in _metrics(run_dir)] == list(range(steps))
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, steps + 1))
     _assert_no_processes_left(run_dir)
 
 
@@ -71,7 +71,7 @@ def test_a_full_disk_stops_the_run_clearly_and_resume_finishes_it(small_fs: Path
     _assert_no_processes_left(run_dir)
     _no_unfinished_entries(run_dir)
     done = [r["step"] for r in _metrics(run_dir)]
-    assert done == list(range(len(done))) and len(done) < 12
+    assert done == list(range(1, len(done) + 1)) and len(done) < 12
     _remount(small_fs, "size=200m")
     _resume_finishes(args, run_dir, 12)
 

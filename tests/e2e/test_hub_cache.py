@@ -70,7 +70,7 @@ def test_a_cached_hub_id_trains_from_its_snapshot(tmp_path: Path) -> None:
     assert f"model.path: {REPO_ID} -> {snapshot}" in result.stderr
     run_dir = tmp_path / "runs" / "tiny-cpu" / "trial0"
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert f"path: {snapshot}" in (run_dir / "config.yaml").read_text()
     plan = json.loads((run_dir / "plan.json").read_text())
     server = next(p for p in plan["processes"] if p["name"] == "server-0")

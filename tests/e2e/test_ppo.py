@@ -46,12 +46,12 @@ def test_ppo_runs_with_its_critic(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = tmp_path / "tiny-ppo" / "trial0"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert {"value_loss", "explained_variance", "value_mean", "critic_grad_norm"} <= set(r)
     assert rows[0]["value_mean"] == 0.0  # the critic's head starts at zero
     assert rows[-1]["value_mean"] != 0.0  # and learns
-    config = json.loads((run_dir / "checkpoints" / "critic" / "step-2" / "config.json").read_text())
+    config = json.loads((run_dir / "checkpoints" / "critic" / "step-3" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
     entry = handoff.latest(run_dir / "recover", "step-")
     converted = run_areal(

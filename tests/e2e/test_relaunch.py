@@ -59,11 +59,11 @@ def test_sft_relaunched_after_a_rank_dies_ends_with_the_same_weights(tmp_path: P
     out = _kill_rank_after_recover(_sft_args(tmp_path, 10, *extra), run_dir, rank=1)
     assert "relaunching the trainer from" in out
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(10))
+    assert [r["step"] for r in rows] == list(range(1, 11))
     assert rows[-1]["trainer_restarts"] == 1
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
     straight = _run(tmp_path / "straight", 10, *extra)
-    final = [_load_all(r / "checkpoints" / "step-9") for r in (run_dir, straight)]
+    final = [_load_all(r / "checkpoints" / "step-10") for r in (run_dir, straight)]
     assert _max_diff(*final) < 1e-5
     _assert_no_processes_left(run_dir)
 
@@ -74,7 +74,7 @@ def test_rl_relaunched_after_a_rank_dies_does_each_step_once(tmp_path: Path) -> 
     out = _kill_rank_after_recover(args, run_dir, rank=0)
     assert "relaunching the trainer from" in out
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["trainer_restarts"] == 1
     assert rows[-1]["weight_version"] == 6  # the last step's weights reached the servers
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
@@ -131,6 +131,6 @@ def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path) -
     served = int(back[0].rsplit("v", 1)[1])
     assert served >= held  # the newest weights the servers held when it died, or newer
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert rows[-1]["server_restarts"] == 1 and "requests_reissued" in rows[-1]
     _assert_no_processes_left(run_dir)

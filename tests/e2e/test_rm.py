@@ -65,14 +65,14 @@ def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path)
         for layout in ("d1", "d2", "d1t2")
     }
     one = _rows(runs["d1"])
-    assert [r["step"] for r in one] == [0, 1, 2, 3]
-    assert [r["step"] for r in one if "eval_accuracy" in r] == [1, 3]
+    assert [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["step"] for r in one if "eval_accuracy" in r] == [2, 4]
     assert one[-1]["eval_loss"] < one[0]["eval_loss_initial"]  # it learns
     assert all(r["pairs"] == 13 for r in one)
-    config = json.loads((runs["d1"] / "checkpoints" / "step-3" / "config.json").read_text())
+    config = json.loads((runs["d1"] / "checkpoints" / "step-4" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
     assert config["num_labels"] == 1
-    final = {k: _load_all(r / "checkpoints" / "step-3") for k, r in runs.items()}
+    final = {k: _load_all(r / "checkpoints" / "step-4") for k, r in runs.items()}
     assert "score.weight" in final["d1"] and "lm_head.weight" not in final["d1"]
     for layout in ("d2", "d1t2"):
         other = _rows(runs[layout])
@@ -89,7 +89,7 @@ def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path)
         _assert_no_processes_left(run_dir)
 
     # the reward model as the reward of an RL run: two steps of the CPU demo
-    reward_model = runs["d1"] / "checkpoints" / "step-3"
+    reward_model = runs["d1"] / "checkpoints" / "step-4"
     rl = subprocess.run(
         [
             sys.executable,
@@ -114,7 +114,7 @@ def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path)
     )
     assert rl.returncode == 0, rl.stdout[-3000:] + rl.stderr[-3000:]
     rows = _rows(tmp_path / "rl" / "tiny-rm-grpo" / "trial0")
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # real scores: not the 0/1 of a checker, and no failed call
         assert r["reward_errors"] == 0 and r["reward_timeouts"] == 0
         assert r["reward_mean"] not in (0.0, 1.0)
@@ -138,9 +138,10 @@ def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> 
         args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["step"] for r in _rows(run_dir)] == list(range(6))
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, 7))
     log = (run_dir / "logs" / "trainer.log").read_text()
-    assert f"resumed from {recovered.path} at step {recovered.version + 1}" in log
+    done = recovered.version
+    assert f"resumed from {recovered.path}: {done} steps done, going on with step {done + 1}" in log
     straight = _run(tmp_path / "straight", 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
     assert _rows(run_dir)[-1]["loss"] == pytest.approx(_rows(straight)[-1]["loss"], abs=1e-5)
     # DCP -> HF finds the scalar-head config (RUN/model-rm) by itself, and verifies
@@ -151,7 +152,7 @@ def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> 
     assert "max |logit difference| = 0" in done.stdout
     assert torch.equal(
         _load_all(out)["score.weight"],
-        _load_all(run_dir / "checkpoints" / "step-5")["score.weight"],
+        _load_all(run_dir / "checkpoints" / "step-6")["score.weight"],
     )
     back = run_areal(
         "convert-checkpoint", str(out), str(tmp_path / "dcp"), "--to", "dcp", "--verify"

@@ -62,12 +62,12 @@ def test_sft_trains_the_same_at_every_layout(tmp_path: Path) -> None:
         for layout in ("d1", "d2", "d1t2")
     }
     one = _rows(runs["d1"])
-    assert [r["step"] for r in one] == [0, 1, 2, 3]
-    assert [r["step"] for r in one if "eval_loss" in r] == [1, 3]
+    assert [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["step"] for r in one if "eval_loss" in r] == [2, 4]
     assert one[-1]["eval_loss"] < one[1]["eval_loss"] < one[0]["eval_loss_initial"]  # it falls
     assert not (runs["d1"] / "weights").exists() or not any((runs["d1"] / "weights").iterdir())
     assert (runs["d1"] / "loss_curve.png").is_file()
-    final = {k: _load_all(r / "checkpoints" / "step-3") for k, r in runs.items()}
+    final = {k: _load_all(r / "checkpoints" / "step-4") for k, r in runs.items()}
     for layout in ("d2", "d1t2"):
         other = _rows(runs[layout])
         for a, b in zip(one, other, strict=True):
@@ -100,9 +100,10 @@ def test_sft_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) ->
         args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["step"] for r in _rows(run_dir)] == list(range(6))
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, 7))
     log = (run_dir / "logs" / "trainer.log").read_text()
-    assert f"resumed from {recovered.path} at step {recovered.version + 1}" in log
+    done = recovered.version
+    assert f"resumed from {recovered.path}: {done} steps done, going on with step {done + 1}" in log
     # an uninterrupted run gives the same last step: the resumed steps took the same data
     straight = _run(tmp_path / "straight", 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
     assert _rows(run_dir)[-1]["loss"] == pytest.approx(_rows(straight)[-1]["loss"], abs=1e-5)
@@ -115,6 +116,6 @@ def test_sft_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert torch.equal(
         _load_all(out)["model.norm.weight"],
-        _load_all(run_dir / "checkpoints" / "step-5")["model.norm.weight"],
+        _load_all(run_dir / "checkpoints" / "step-6")["model.norm.weight"],
     )
     _assert_no_processes_left(run_dir)

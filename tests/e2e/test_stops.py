@@ -46,7 +46,7 @@ def test_sighup_stops_cleanly_and_resume_says_where_it_goes_on(tmp_path: Path) -
     resumed = subprocess.run(args + ["--resume"], cwd=REPO, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resuming {run_dir} from recover/step-" in resumed.stdout
-    assert [m["step"] for m in _metrics(run_dir)] == list(range(6))
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 7))
     assert _state(tmp_path)[4] == "finished" == _status_state(run_dir)
 
     server_log = (run_dir / "logs" / "server-0.log").read_text()
@@ -74,7 +74,7 @@ def test_a_closed_stdout_does_not_end_the_run(tmp_path: Path) -> None:
     assert all(head), head
     assert proc.returncode == 0, err
     assert "stdout was closed (its reader exited); the run goes on" in err
-    assert [m["step"] for m in _metrics(run_dir)] == list(range(6))
+    assert [m["step"] for m in _metrics(run_dir)] == list(range(1, 7))
     assert json.loads((run_dir / "run.json").read_text())["state"] == "finished"
     assert _state(tmp_path)[4] == "finished" == _status_state(run_dir)
     assert "stdout was closed" in (run_dir / "logs" / "controller.log").read_text()

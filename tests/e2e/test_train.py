@@ -120,7 +120,7 @@ def test_train_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = _run_dir(tmp_path)
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
         missing = [k for k in REQUIRED if k not in row]
         assert not missing, f"step {row['step']} lacks {missing}"
@@ -156,7 +156,7 @@ def test_the_multi_turn_recipe_trains(tmp_path: Path) -> None:
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "tiny-multiturn" / "trial0"
-    assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
     _assert_no_processes_left(run_dir)
 
 
@@ -196,10 +196,13 @@ def test_resume_after_kill_9_of_the_controller(tmp_path: Path) -> None:
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(1, 7))
     assert all("reward_mean" in r for r in rows)  # a line finished after the kill keeps them
     # The trainer resumed from exactly the newest recover entry left by the killed run.
-    resumed = f"resumed from {run_dir / 'recover' / f'step-{recovered}'} at step {recovered + 1}"
+    resumed = (
+        f"resumed from {run_dir / 'recover' / f'step-{recovered}'}: {recovered} steps done, "
+        f"going on with step {recovered + 1}"
+    )
     assert resumed in (run_dir / "logs" / "trainer.log").read_text()
     _assert_no_processes_left(run_dir)
 
@@ -266,7 +269,7 @@ def test_a_stuck_trainer_rank_is_named_and_the_run_resumes(tmp_path: Path) -> No
         args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2, 3]
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]
     _assert_no_processes_left(run_dir)
 
 

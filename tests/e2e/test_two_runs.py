@@ -69,6 +69,6 @@ def test_two_runs_started_together_each_use_only_their_own_servers(tmp_path: Pat
         metrics = [
             json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
         ]
-        assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4]
         assert metrics[0]["reward_mean"] < 0.7  # the start model's samples, not the other's
     assert ports["a"] != ports["b"] and names["a"] != names["b"]

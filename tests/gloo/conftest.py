@@ -60,12 +60,12 @@ def make_batches(
     vocab: int = 96,
     seed: int = 0,
 ) -> Path:
-    """Fixed rollout batches step-0.. with random tokens, behaviour logprobs and rewards.
-    Their tokens are marked one version behind the trainer (as in the asynchronous
+    """Fixed rollout batches step-1..step-N with random tokens, behaviour logprobs and
+    rewards. Their tokens are marked one version behind the trainer (as in the asynchronous
     steady state): random behaviour logprobs did not come from the trainer's weights, so
     the batch must not pass for on-policy, which would skip the proximal pass."""
     gen = torch.Generator().manual_seed(seed)
-    for step in range(n_steps):
+    for step in range(1, n_steps + 1):  # step k trains v(k-1): its tokens are from v(k-2)
         seqs = []
         for _ in range(n_seqs):
             prompt = int(torch.randint(3, 9, (1,), generator=gen))
@@ -77,7 +77,7 @@ def make_batches(
                     "input_ids": torch.randint(0, vocab, (n,), generator=gen),
                     "loss_mask": mask,
                     "logprobs": (-torch.rand(n, generator=gen) * 5 - 0.5) * mask,
-                    "versions": torch.where(mask.bool(), step - 1, -1).to(torch.int32),
+                    "versions": torch.where(mask.bool(), step - 2, -1).to(torch.int32),
                 }
             )
         rewards = torch.randint(0, 2, (n_seqs,), generator=gen).float().tolist()

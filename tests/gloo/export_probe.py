@@ -31,7 +31,7 @@ def main() -> None:
     model_dir = Path(cfg.model.path)
     model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp)
     optimizer, scheduler = build_optimizer(model, cfg)
-    batch = read_batch(handoff.read_entry(batches / "step-0"))
+    batch = read_batch(handoff.read_entry(batches / "step-1"))
     layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
     train_step(model, optimizer, scheduler, batch, cfg.actor, 1.0, layout=layout)
     probe = torch.arange(20).remainder(90).unsqueeze(0)

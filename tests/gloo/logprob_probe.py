@@ -1,6 +1,6 @@
 """Usage: torchrun ... logprob_probe.py CONFIG BATCHES OUT
 
-Per-position logprobs and entropies of every sequence of BATCHES/step-0 (in label space:
+Per-position logprobs and entropies of every sequence of BATCHES/step-1 (in label space:
 position p scores the token after it) under the model sharded as CONFIG's allocation says
 (tensor-parallel logits stay split over the vocabulary, context-parallel ranks score a
 slice each); rank 0 saves them to OUT/logprobs.pt for a comparison across layouts."""
@@ -36,7 +36,7 @@ def main() -> None:
     mesh = build_mesh("cpu", cfg.allocation_mode)
     model = build_sharded_model(Path(cfg.model.path), mesh, cfg.actor.fsdp)
     layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
-    batch = read_batch(handoff.read_entry(batches / "step-0"))
+    batch = read_batch(handoff.read_entry(batches / "step-1"))
     with torch.no_grad():
         logp, entropy, _ = forward_logprobs(model, batch, list(range(batch.n_seqs)), 0.7, layout)
     if mesh.cp > 1:  # each cp rank scored a slice of the positions: put them together

@@ -26,7 +26,7 @@ LONG, SHORT, CAP = 40, 6, 32
 
 
 def _skewed_batch(directory: Path, n_long: int, n_short: int, vocab: int = 96) -> Path:
-    """step-0: `n_long` sequences of LONG tokens, then `n_short` of SHORT tokens, with given
+    """step-1: `n_long` sequences of LONG tokens, then `n_short` of SHORT tokens, with given
     advantages (group_size 1), behaviour logprobs and a loss mask on the last half."""
     gen = torch.Generator().manual_seed(7)
     seqs = []
@@ -43,7 +43,7 @@ def _skewed_batch(directory: Path, n_long: int, n_short: int, vocab: int = 96) -
     n_seqs = n_long + n_short
     batch = RolloutBatch.from_sequences(seqs, [0.0] * n_seqs, group_size=1)
     batch.advantages = torch.randn(n_seqs, generator=gen)
-    write_batch(directory, 0, batch)
+    write_batch(directory, 1, batch)
     return directory
 
 

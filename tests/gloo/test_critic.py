@@ -26,7 +26,7 @@ def _batches(directory: Path, n_steps: int, n_seqs: int = 8) -> Path:
     """Fixed batches whose sequences end by EOS (every other one) or by the length limit,
     with 0/1 rewards and completions of 2-11 tokens."""
     gen = torch.Generator().manual_seed(5)
-    for step in range(n_steps):
+    for step in range(1, n_steps + 1):  # steps count from 1; tokens one version behind
         seqs = []
         for k in range(n_seqs):
             prompt = int(torch.randint(3, 9, (1,), generator=gen))
@@ -40,7 +40,7 @@ def _batches(directory: Path, n_steps: int, n_seqs: int = 8) -> Path:
                     "input_ids": ids,
                     "loss_mask": mask,
                     "logprobs": (-torch.rand(len(ids), generator=gen) * 5 - 0.5) * mask,
-                    "versions": torch.where(mask.bool(), step - 1, -1).to(torch.int32),
+                    "versions": torch.where(mask.bool(), step - 2, -1).to(torch.int32),
                 }
             )
         rewards = torch.randint(0, 2, (n_seqs,), generator=gen).float().tolist()
@@ -82,10 +82,10 @@ def test_ppo_step_is_the_same_at_one_two_and_three_ranks(tmp_path: Path, model_d
                 assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-5), (nproc, key)
         assert _max_diff(_weights(runs[1], 2), _weights(runs[nproc], 2)) < 1e-5
         critics = [
-            _load_all(r / "checkpoints" / "critic" / "step-1") for r in (runs[1], runs[nproc])
+            _load_all(r / "checkpoints" / "critic" / "step-2") for r in (runs[1], runs[nproc])
         ]
         assert _max_diff(*critics) < 1e-5, nproc
-    config = json.loads((runs[1] / "checkpoints" / "critic" / "step-1" / "config.json").read_text())
+    config = json.loads((runs[1] / "checkpoints" / "critic" / "step-2" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
 
 
@@ -100,7 +100,7 @@ def test_ppo_resume_restores_the_critic_and_it_converts(tmp_path: Path, model_di
     run_a, run_b = tmp_path / "a" / "gloo" / "t", tmp_path / "b" / "gloo" / "t"
     for key in ("loss", "value_loss", "explained_variance"):
         assert [m[key] for m in _metrics(run_a)] == [m[key] for m in _metrics(run_b)], key
-    critic = {r: _load_all(r / "checkpoints" / "critic" / "step-3") for r in (run_a, run_b)}
+    critic = {r: _load_all(r / "checkpoints" / "critic" / "step-4") for r in (run_a, run_b)}
     assert _max_diff(critic[run_a], critic[run_b]) == 0.0
     # the recover entry holds both models; --part critic converts the critic, and verifies
     newest = handoff.latest(run_b / "recover", "step-")

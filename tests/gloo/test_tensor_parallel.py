@@ -119,7 +119,7 @@ def test_a_data_parallel_checkpoint_resumes_in_another_layout(
     )
     torchrun(nproc, moved, "--batches", str(batches), "--resume")
     straight, resumed = _metrics(runs["d2"][1]), _metrics(runs["resumed"][1])
-    assert [m["step"] for m in resumed] == [0, 1, 2]
+    assert [m["step"] for m in resumed] == [1, 2, 3]
     assert resumed[2]["loss"] == pytest.approx(straight[2]["loss"], abs=1e-5)
     assert resumed[2]["grad_norm"] == pytest.approx(straight[2]["grad_norm"], rel=1e-5)
     # The new layout's recover checkpoint converts to an HF folder equal to the weights the
@@ -131,7 +131,7 @@ def test_a_data_parallel_checkpoint_resumes_in_another_layout(
 
     hf = tmp_path / "hf"
     done = run_areal(
-        "convert-checkpoint", str(runs["resumed"][1] / "recover" / "step-2"), str(hf),
+        "convert-checkpoint", str(runs["resumed"][1] / "recover" / "step-3"), str(hf),
         "--model-config", str(tp_model),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -86,7 +86,7 @@ def test_resume_is_exact_and_reshards(tmp_path: Path, model_dir: Path) -> None:
     losses_b = [m["loss"] for m in _metrics(run_b)]
     assert losses_a == losses_b  # bit-identical
     assert _max_diff(_weights(run_a, 4), _weights(run_b, 4)) == 0.0
-    # Resume the 2-rank checkpoint of step 1 on a single rank: DCP reshards on load.
+    # Resume the 2-rank checkpoint of step 2 on a single rank: DCP reshards on load.
     reshard = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "c", **extra)
     run_c = tmp_path / "c" / "gloo" / "t"
     torchrun(2, reshard, "--batches", str(batches), "--steps", "2")
@@ -95,8 +95,8 @@ def test_resume_is_exact_and_reshards(tmp_path: Path, model_dir: Path) -> None:
     assert losses_c == pytest.approx(losses_a, abs=1e-5)
     assert _max_diff(_weights(run_a, 4), _weights(run_c, 4)) < 1e-5
     assert [e.path.name for e in handoff.list_entries(run_c / "recover", "step-")] == [
-        "step-2",
         "step-3",
+        "step-4",
     ]
 
 
@@ -144,10 +144,10 @@ def test_export_writes_every_parameter_layout_exactly(tmp_path: Path) -> None:
 
 
 def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Path) -> None:
-    """Without --batches the trainer polls RUN/rollouts/step-N and ignores unfinished writes."""
+    """Without --batches the trainer polls RUN/rollouts/step-K and ignores unfinished writes."""
     cfg = write_config(tmp_path / "cfg.yaml", model_dir, tmp_path / "runs", total_train_steps=1)
     run_dir = tmp_path / "runs" / "gloo" / "t"
-    (run_dir / "rollouts" / ".tmp-step-0-dead").mkdir(parents=True)  # a crashed writer's leftovers
+    (run_dir / "rollouts" / ".tmp-step-1-dead").mkdir(parents=True)  # a crashed writer's leftovers
     argv = torchrun_argv(1, "-m", "areal_cli.trainer.main", "--config", str(cfg))
     proc = subprocess.Popen(
         argv,
@@ -158,7 +158,7 @@ def test_trainer_waits_for_rollouts_in_the_run_dir(tmp_path: Path, model_dir: Pa
     )
     try:
         line = proc.stdout.readline()  # blocks until the trainer reports that it waits
-        assert "waiting for" in line and "rollouts/step-0" in line, line
+        assert "waiting for" in line and "rollouts/step-1" in line, line
         time.sleep(1.5)
         assert proc.poll() is None  # still waiting
         make_batches(run_dir / "rollouts", 1)

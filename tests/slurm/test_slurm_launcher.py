@@ -101,7 +101,7 @@ def test_a_slurm_run_learns_while_squeue_ps_and_logs_follow_it(
     assert follow.returncode == 0 and "step 24/24" in follow.stdout, follow.stdout[-2000:]
     _wait(lambda: _job_gone(job), 60, "the job to end")
     rewards = [row["reward_mean"] for row in _metrics(run_dir)]
-    assert [row["step"] for row in _metrics(run_dir)] == list(range(24))
+    assert [row["step"] for row in _metrics(run_dir)] == list(range(1, 25))
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
     assert _state(tmp_path)[4] == "finished"
     registry = json.loads((run_dir / "registry" / "server-0.json").read_text())
@@ -146,7 +146,7 @@ def test_a_controller_killed_with_9_takes_its_steps_and_resume_is_a_new_job(
     assert again != job
     _wait(lambda: _job_gone(again), 300, "the resumed job to end")
     assert _state(tmp_path)[4] == "finished", _slurm_out(run_dir, again)
-    assert [row["step"] for row in _metrics(run_dir)] == list(range(10))
+    assert [row["step"] for row in _metrics(run_dir)] == list(range(1, 11))
     assert all("reward_mean" in row for row in _metrics(run_dir))
     assert "--resume" in (run_dir / "slurm" / "job.sbatch").read_text()
 

@@ -30,7 +30,7 @@ def one_rank(tmp_path: Path):
 def test_the_line_is_written_before_the_recover_entry(tmp_path, one_rank, monkeypatch) -> None:
     def save_recover(*args, **kwargs):
         line = (tmp_path / "logs" / "trainer-metrics.jsonl").read_text()
-        assert json.loads(line)["step"] == 1
+        assert json.loads(line)["step"] == 2
         raise Killed  # the process dies while it writes the entry
 
     monkeypatch.setattr(trainer_main.checkpoint, "save_recover", save_recover)
@@ -40,8 +40,8 @@ def test_the_line_is_written_before_the_recover_entry(tmp_path, one_rank, monkey
     scheduler = SimpleNamespace(state_dict=lambda: {})
     beat = SimpleNamespace(phase=lambda _: None, steps_done=1)
     with pytest.raises(Killed):
-        trainer_main.finish_step(1, cfg, tmp_path, None, None, scheduler, None, {"step": 1}, beat)
-    assert beat.steps_done == 1  # not counted as done
+        trainer_main.finish_step(2, cfg, tmp_path, None, None, scheduler, None, {"step": 2}, beat)
+    assert beat.steps_done == 1  # step 2 (due for recover every 2 steps) not counted as done
 
 
 def test_a_restarted_controller_takes_a_steps_rollout_figures_from_its_batch(tmp_path) -> None:
@@ -68,7 +68,7 @@ def test_a_restarted_controller_takes_a_steps_rollout_figures_from_its_batch(tmp
 def test_gen_tokens_per_s_is_tokens_over_busy_time_of_the_last_batches() -> None:
     from areal_cli.rollout.controller import GEN_RATE_WINDOW, LoopState, gen_rate
 
-    state = LoopState(version=0, next_step=0)
+    state = LoopState(version=0, next_step=1)
     client = SimpleNamespace(generated_tokens=0, busy_s=lambda: 0.0)
     rates = []
     for k in range(1, 9):  # 100 tokens and one busy second per batch, whatever the wall time

@@ -40,7 +40,7 @@ def test_states(tmp_path: Path) -> None:
 
 def test_end_record_is_written_only_by_the_controller_that_started(tmp_path: Path) -> None:
     mine = _run_dir(tmp_path / "a")
-    (mine / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n{"step": 1, "loss": 2}\n')
+    (mine / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "loss": 2}\n')
     runs.end_record(mine, 130)
     v = runs.view(mine)
     assert (v.state, v.record["exit_code"], v.step, v.score) == ("stopped", 130, 2, "loss 2.0000")

@@ -64,13 +64,13 @@ def test_a_conversation_without_reply_is_an_error(tokenizer, tmp_path) -> None:
 
 
 def test_steps_walk_shuffled_epochs() -> None:
-    seen = [step_indices(10, 4, s, seed=3, shuffle=True) for s in range(5)]
+    seen = [step_indices(10, 4, s, seed=3, shuffle=True) for s in range(1, 6)]
     flat = [i for s in seen for i in s]
     assert sorted(flat[:10]) == list(range(10))  # the first epoch is a permutation
     assert sorted(flat[10:20]) == list(range(10))  # so is the second
     assert flat[:10] != flat[10:20]  # each epoch its own order
-    assert step_indices(10, 4, 3, seed=3, shuffle=True) == seen[3]  # a resumed step is the same
-    assert step_indices(10, 4, 0, seed=3, shuffle=False) == [0, 1, 2, 3]
+    assert step_indices(10, 4, 4, seed=3, shuffle=True) == seen[3]  # a resumed step is the same
+    assert step_indices(10, 4, 1, seed=3, shuffle=False) == [0, 1, 2, 3]
 
 
 def test_support_mean_matches_a_plain_log_softmax() -> None:
