@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NoReturn
 import typer
 
 if TYPE_CHECKING:
+    from areal_cli.config.checker import CheckResult
     from areal_cli.config.loader import LoadedConfig
-    from areal_cli.config.validate import CheckResult
 
 app = typer.Typer(
     name="areal",
@@ -131,7 +131,7 @@ def train(
 
     try:
         if submit:
-            from areal_cli.launch.slurm import submit_run
+            from areal_cli.launch.submit import submit_run
 
             warn = lambda line: typer.echo(f"warning: {line}", err=True)  # noqa: E731
             raise typer.Exit(submit_run(loaded, plan, recipe, overrides, resume, typer.echo, warn))
@@ -566,13 +566,14 @@ def logs(
     import time
 
     from areal_cli.launch import runs
+    from areal_cli.rundir.paths import RunDir
 
     _need_run(run)
-    path = run / "logs" / f"{name}.log"
+    path = RunDir(run).log(name)
     while follow and not path.is_file() and runs.view(run).state == "pending":
         time.sleep(0.5)  # a Slurm job that has not started yet
     if not path.is_file():
-        have = ", ".join(sorted(p.stem for p in (run / "logs").glob("*.log"))) or "none"
+        have = ", ".join(sorted(p.stem for p in path.parent.glob("*.log"))) or "none"
         _die(f"{path}: no such log; this run has: {have}")
     with open(path, errors="replace") as f:
         for line in f.readlines()[-lines:]:
@@ -601,7 +602,9 @@ def stop(run: Path = RUN_DIR) -> None:
 
 
 def _need_run(run: Path) -> None:
-    if not (run / "config.yaml").is_file():
+    from areal_cli.rundir.paths import RunDir
+
+    if not RunDir(run).config.is_file():
         _die(f"{run}: not a run directory (no config.yaml); `areal ps FILEROOT` lists them")
 
 

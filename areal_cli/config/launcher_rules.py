@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from areal_cli.config.allocation import AllocationMode
 
 if TYPE_CHECKING:
-    from areal_cli.config.validate import _Checker as Checker
+    from areal_cli.config.checker import Checker
 
 
 def check_nodes(c: Checker, mode: AllocationMode) -> None:

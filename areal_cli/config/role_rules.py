@@ -13,7 +13,7 @@ from areal_cli.config.model_info import model_config
 from areal_cli.config.schema import RL_ACTOR_KEYS, RL_SECTIONS, ROLE_SECTIONS
 
 if TYPE_CHECKING:
-    from areal_cli.config.validate import _Checker as Checker
+    from areal_cli.config.checker import Checker
 
 
 def check_role_sections(c: Checker) -> None:

@@ -13,11 +13,11 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.config.allocation import AllocationError, AllocationMode, parse_allocation
-from areal_cli.config.errors import PATH_RULE, ConfigErrors, ConfigProblem
+from areal_cli.config.checker import Checker, CheckResult
+from areal_cli.config.errors import PATH_RULE, ConfigErrors
 from areal_cli.config.launcher_rules import check_nodes, check_slurm
 from areal_cli.config.loader import LoadedConfig, is_hub_id
 from areal_cli.config.model_info import (
@@ -35,57 +35,11 @@ from areal_cli.config.role_rules import (
 from areal_cli.config.schema import (
     BUILTIN_MODELS,
     SUPERVISED,
-    ExperimentConfig,
 )
 
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass
-class CheckResult:
-    """Problems (fatal) and warnings (printed, not fatal) of one recipe."""
-
-    problems: list[ConfigProblem] = field(default_factory=list)
-    warnings: list[ConfigProblem] = field(default_factory=list)
-    allocation: AllocationMode | None = None
-    # Hub ids found in the local Hugging Face cache: key path -> (hub id, snapshot folder).
-    hub_snapshots: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-    def resolve_hub_ids(self, config: ExperimentConfig) -> list[str]:
-        """Put each cached hub id's local snapshot folder in `config` (every process then
-        loads that folder, offline); returns one note per replaced value."""
-        notes = []
-        for key, (repo_id, folder) in self.hub_snapshots.items():
-            section, name = key.split(".")
-            setattr(getattr(config, section), name, folder)
-            notes.append(f"{key}: {repo_id} -> {folder} (local Hugging Face cache)")
-        return notes
-
-
-class _Checker:
-    def __init__(self, loaded: LoadedConfig, invalid: frozenset[str] = frozenset()):
-        self.loaded = loaded
-        self.cfg: ExperimentConfig = loaded.config
-        self.result = CheckResult()
-        self.invalid = invalid
-
-    def valid(self, *keys: str) -> bool:
-        """Whether every key (and its section, and anything under it) has a usable value.
-        A rule reads only valid keys: on an invalid one it would judge a default value
-        and report a problem that is not there."""
-        for bad in self.invalid:
-            for key in keys:
-                if not bad or bad == key or key.startswith(bad + ".") or bad.startswith(key + "."):
-                    return False
-        return True
-
-    def error(self, key: str, message: str, fix: str = "") -> None:
-        self.result.problems.append(ConfigProblem(key, message, fix, self.loaded.where(key)))
-
-    def warn(self, key: str, message: str, fix: str = "") -> None:
-        self.result.warnings.append(ConfigProblem(key, message, fix, self.loaded.where(key)))
 
 
 def check_config(
@@ -97,7 +51,7 @@ def check_config(
 ) -> CheckResult:
     """Run every cross-field rule; `command` is train, eval or validate. Rules that read a
     key in `invalid` (already reported by the loader) are skipped."""
-    c = _Checker(loaded, invalid)
+    c = Checker(loaded, invalid)
     _check_names(c)
     supervised = c.cfg.algorithm in SUPERVISED and command != "eval"
     check_role_sections(c)
@@ -136,7 +90,7 @@ def check_config(
     return c.result
 
 
-def _check_fileroot(c: _Checker) -> None:
+def _check_fileroot(c: Checker) -> None:
     """A run writes under cluster.fileroot: it must be writable before anything starts."""
     if not c.valid("cluster.fileroot"):
         return
@@ -153,7 +107,7 @@ def _check_fileroot(c: _Checker) -> None:
         )
 
 
-def _check_rl(c: _Checker, command: str, launch: bool) -> None:
+def _check_rl(c: Checker, command: str, launch: bool) -> None:
     """The rules of the RL algorithm's own keys: rollout, reward, workflow, eval."""
     _check_rollout(c)
     if command in ("train", "validate"):
@@ -175,7 +129,7 @@ def raise_on_problems(result: CheckResult) -> None:
         raise ConfigErrors(result.problems)
 
 
-def _check_names(c: _Checker) -> None:
+def _check_names(c: Checker) -> None:
     for key in ("experiment_name", "trial_name"):
         value = getattr(c.cfg, key)
         if not c.valid(key):
@@ -190,7 +144,7 @@ def _check_names(c: _Checker) -> None:
             )
 
 
-def _check_allocation(c: _Checker, command: str, supervised: bool) -> AllocationMode | None:
+def _check_allocation(c: Checker, command: str, supervised: bool) -> AllocationMode | None:
     try:
         mode = parse_allocation(c.cfg.allocation_mode)
     except AllocationError as exc:
@@ -225,7 +179,7 @@ def _check_allocation(c: _Checker, command: str, supervised: bool) -> Allocation
     return mode
 
 
-def _check_vllm(c: _Checker, launch: bool) -> None:
+def _check_vllm(c: Checker, launch: bool) -> None:
     """vLLM runs in the interpreter inference.vllm.python names (or this one), which must
     find the vllm package: an error before a launch, a warning for a plan (a GPU recipe
     is planned on a laptop without vLLM, as with SGLang)."""
@@ -249,7 +203,7 @@ def _train_part(allocation: str) -> str:
     return parts[0] if parts else "fsdp:d2"
 
 
-def _check_devices(c: _Checker, mode: AllocationMode) -> None:
+def _check_devices(c: Checker, mode: AllocationMode) -> None:
     """Allocation against the declared cluster: GPUs on GPU clusters, cores on CPU ones."""
     if not c.valid("cluster", "launcher.type", "actor.fsdp.offload_params"):
         return
@@ -313,7 +267,7 @@ def _check_devices(c: _Checker, mode: AllocationMode) -> None:
         )
 
 
-def _check_batch(c: _Checker, mode: AllocationMode) -> None:
+def _check_batch(c: Checker, mode: AllocationMode) -> None:
     keys = ("rollout.batch_size", "rollout.group_size", "actor.ppo_n_minibatches", "actor.mb_spec")
     if not c.valid(*keys):
         return
@@ -342,7 +296,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def _check_rollout(c: _Checker) -> None:
+def _check_rollout(c: Checker) -> None:
     actor = c.cfg.actor
     _check_rollout_sizes(c)
     if not c.valid("actor.eps_clip", "actor.eps_clip_higher"):
@@ -364,7 +318,7 @@ def _check_rollout(c: _Checker) -> None:
         )
 
 
-def _check_ports(c: _Checker, mode: AllocationMode) -> None:
+def _check_ports(c: Checker, mode: AllocationMode) -> None:
     """Fixed ports: outside the privileged range, and the trainer's rendezvous port apart
     from the servers' ports (base, base + 1, ...). 0 picks free ports at launch."""
     if not c.valid("launcher.trainer_port", "launcher.inference_base_port"):
@@ -389,7 +343,7 @@ def _check_ports(c: _Checker, mode: AllocationMode) -> None:
         )
 
 
-def _check_rollout_sizes(c: _Checker) -> None:
+def _check_rollout_sizes(c: Checker) -> None:
     """Group size against the advantage estimator and sampling; concurrency against staleness."""
     rollout, actor = c.cfg.rollout, c.cfg.actor
     if not c.valid("rollout.group_size"):
@@ -424,7 +378,7 @@ def _check_rollout_sizes(c: _Checker) -> None:
         )
 
 
-def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
+def _check_tensor_parallel(c: Checker, mode: AllocationMode) -> None:
     """A trainer t > 1 needs a plan for the architecture; t and c must split the heads."""
     tp, cp = mode.train.tensor_parallel_size, mode.train.context_parallel_size
     if tp == 1 and cp == 1 or not c.valid("model.path"):
@@ -438,7 +392,7 @@ def _check_tensor_parallel(c: _Checker, mode: AllocationMode) -> None:
         c.error("allocation_mode", problem, "choose t and c that divide the head counts")
 
 
-def _check_model(c: _Checker, launch: bool) -> None:
+def _check_model(c: Checker, launch: bool) -> None:
     path = c.cfg.model.path
     if not path:
         c.error("model.path", "is required", "give a Hugging Face model folder or builtin:tiny")
@@ -473,7 +427,7 @@ def _check_model(c: _Checker, launch: bool) -> None:
         _check_tokenizer_fits(c, config_file, tok_dir)
 
 
-def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str) -> Path | None:
+def _local_or_cached(c: Checker, key: str, value: str, launch: bool, what: str) -> Path | None:
     """A local folder for `value`, or None (after an error, or a warning for hub ids)."""
     if Path(value).exists():
         return Path(value)
@@ -499,7 +453,7 @@ def _local_or_cached(c: _Checker, key: str, value: str, launch: bool, what: str)
     return None
 
 
-def _check_tokenizer_fits(c: _Checker, config_file: Path, tok_dir: Path) -> None:
+def _check_tokenizer_fits(c: Checker, config_file: Path, tok_dir: Path) -> None:
     """The tokenizer must not produce ids beyond the model's embedding table."""
     tok_file = tok_dir / "tokenizer.json"
     try:
@@ -529,7 +483,7 @@ def _check_tokenizer_fits(c: _Checker, config_file: Path, tok_dir: Path) -> None
         )
 
 
-def _check_dataset(c: _Checker, key: str, path: str, launch: bool, *, required: bool) -> None:
+def _check_dataset(c: Checker, key: str, path: str, launch: bool, *, required: bool) -> None:
     if not path:
         if required:
             c.error(f"{key}.path", "is required", "give a .jsonl or .parquet file")
@@ -557,7 +511,7 @@ def _path_key(key: str) -> str:
 
 
 def _check_callable(
-    c: _Checker,
+    c: Checker,
     key: str,
     spec: str,
     builtins: tuple[str, ...],
@@ -573,7 +527,7 @@ def _check_callable(
         (c.warn if only_warn else c.error)(key, message, fix)
 
 
-def _check_eval(c: _Checker) -> None:
+def _check_eval(c: Checker) -> None:
     if not c.valid("eval.k", "eval.n_samples"):
         return
     ev = c.cfg.eval
@@ -586,7 +540,7 @@ def _check_eval(c: _Checker) -> None:
             )
 
 
-def _check_planned(c: _Checker) -> None:
+def _check_planned(c: Checker) -> None:
     if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.method != "disk":
         c.error(
             "actor.weight_update.method",

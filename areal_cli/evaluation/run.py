@@ -36,6 +36,7 @@ from areal_cli.launch.plan import LaunchPlan
 from areal_cli.rundir import handoff
 from areal_cli.rundir.checkpoints import CheckpointError, locate
 from areal_cli.rundir.layout import run_dir_of
+from areal_cli.rundir.paths import RunDir
 
 CORRECT_AT = 0.5
 EVAL_FILE = "eval.json"  # the identity of the model and settings whose samples OUT holds
@@ -145,7 +146,7 @@ def default_out(cfg: Any, checkpoint: Checkpoint, key: str) -> Path:
     """RUN/eval/NAME-KEY for a checkpoint of a run; FILEROOT/EXPERIMENT/eval/NAME-KEY for
     the initial model or a folder of no run (no run folder is created for it)."""
     base = checkpoint.run_dir or run_dir_of(cfg).parent
-    return base / "eval" / f"{checkpoint.name}-{key}"
+    return RunDir(base).eval / f"{checkpoint.name}-{key}"
 
 
 def claim_out(out: Path, identity: dict[str, Any]) -> None:
@@ -181,7 +182,8 @@ def eval_plan(plan: LaunchPlan, model_dir: Path, out: Path) -> LaunchPlan:
         if "--watch-weights" in argv:  # no weights are published in an eval: watch no run
             at = argv.index("--watch-weights")
             del argv[at : at + 2]
-        servers.append(replace(proc, argv=argv, log=str(out / "logs" / f"{proc.name}.log")))
+        log = RunDir(out).log(proc.name)  # an eval's folder keeps its logs as a run does
+        servers.append(replace(proc, argv=argv, log=str(log)))
     return replace(plan, processes=servers)
 
 

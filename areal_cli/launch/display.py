@@ -14,6 +14,7 @@ from rich.table import Table
 from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch.plan import REDACTED, LaunchPlan
 from areal_cli.metrics.display import make_console
+from areal_cli.rundir.paths import RunDir
 
 
 def print_plan(
@@ -103,6 +104,6 @@ def print_dry_run(
             markup=False,
         )
     if script is not None:
-        job = Path(plan.run_dir) / "slurm" / "job.sbatch"
+        job = RunDir(Path(plan.run_dir)).sbatch
         console.print(f"[bold]Slurm batch script[/bold] (written to {job} and given to sbatch):")
         console.print(script, markup=False, highlight=False, soft_wrap=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.rollout.controller import StepSink, read_new_lines, steps_in
+from areal_cli.rundir.paths import RunDir
 
 # trainer figures that metrics.jsonl carries for a supervised role
 FOLLOWED_KEYS = (
@@ -61,8 +62,8 @@ async def follow_trainer(
     poll_s: float = 0.1,
 ) -> None:
     """Relay the trainer's lines until it exits cleanly (see the module docstring)."""
-    source = run_dir / "logs" / "trainer-metrics.jsonl"
-    target = run_dir / "metrics.jsonl"
+    source = RunDir(run_dir).trainer_metrics
+    target = RunDir(run_dir).metrics
     done = steps_in(target)
     offset = 0
 

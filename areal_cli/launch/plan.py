@@ -49,7 +49,8 @@ from areal_cli.inference.argv import (
     vllm_args,
     vllm_env,
 )
-from areal_cli.rundir.layout import RUN_SUBDIRS, initial_model_path, run_dir_of
+from areal_cli.rundir.layout import initial_model_path, run_dir_of
+from areal_cli.rundir.paths import SUBDIRS, RunDir
 
 # The trainer's rendezvous host in a plan for several machines; the runner that knows the
 # job's nodes replaces it with the first one's address.
@@ -233,17 +234,15 @@ def build_plan(
     gpn = cfg.cluster.n_gpus_per_node
     for proc in processes:
         proc.nodes, proc.gpus = _place(proc, _planned_nodes(cfg), gpn)
+    paths = RunDir(run_dir)
     return LaunchPlan(
         experiment_name=cfg.experiment_name,
         trial_name=cfg.trial_name,
         run_dir=str(run_dir),
         device_type=device_type,
         allocation_mode=cfg.allocation_mode,
-        dirs=[str(run_dir)] + [str(run_dir / d) for d in RUN_SUBDIRS],
-        files=[
-            str(run_dir / f)
-            for f in ("config.yaml", "plan.json", "metrics.jsonl", "logs/controller.log")
-        ],
+        dirs=[str(run_dir)] + [str(run_dir / d) for d in SUBDIRS],
+        files=[str(f) for f in (paths.config, paths.plan, paths.metrics, paths.log("controller"))],
         processes=processes,
         algorithm=cfg.algorithm,
         launcher=cfg.launcher.type,
@@ -344,7 +343,7 @@ def _server_process(
             "areal_cli.inference.server",
             *embedded_args(cfg, model, port, index, device_type, host=host, served_name=served),
             # read each new weights/vN ahead, while the controller gets to its update call
-            *("--watch-weights", str(run_dir / "weights")),
+            *("--watch-weights", str(RunDir(run_dir).weights)),
         ]
     env = dict(base_env)
     gpus: list[int] = []
@@ -365,7 +364,7 @@ def _server_process(
         role=f"inference ({mode.inference_backend})",
         argv=argv,
         env=env,
-        log=str(run_dir / "logs" / f"server-{index}.log"),
+        log=str(RunDir(run_dir).log(f"server-{index}")),
         gpus=gpus,
         cpus=cpus,
         ports=[port],
@@ -405,11 +404,11 @@ def _trainer_process(
         # torchrun's own per-attempt folders go into the run, not into a /tmp/torchelastic_*
         # that nobody removes
         "--log-dir",
-        str(run_dir / "logs" / "torchrun"),
+        str(RunDir(run_dir).torchrun_logs),
         "-m",
         "areal_cli.trainer.main",
         "--config",
-        str(run_dir / "config.yaml"),
+        str(RunDir(run_dir).config),
     ]
     env = dict(base_env)
     if device_type == "cuda":
@@ -419,7 +418,7 @@ def _trainer_process(
             "trainer (fsdp, nccl)",
             argv,
             env,
-            str(run_dir / "logs" / "trainer.log"),
+            str(RunDir(run_dir).log("trainer")),
             gpus=devices,
             ports=[port] if port else [],
         )
@@ -430,7 +429,7 @@ def _trainer_process(
         "trainer (fsdp, gloo)",
         argv,
         env,
-        str(run_dir / "logs" / "trainer.log"),
+        str(RunDir(run_dir).log("trainer")),
         cpus=devices,
         ports=[port] if port else [],
     )

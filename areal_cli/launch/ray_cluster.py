@@ -42,6 +42,7 @@ from typing import Any
 from areal_cli.launch.local import Child, LocalRunner, signal_group
 from areal_cli.launch.plan import HEAD_NODE, LaunchPlan, ProcessSpec
 from areal_cli.launch.step import server_command
+from areal_cli.rundir.paths import RunDir
 from areal_cli.rundir.registry import HOST_ENV
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -183,7 +184,7 @@ class RayRunner(LocalRunner):
             f"--num-gpus={cfg.cluster.n_gpus_per_node}", "--include-dashboard=false",
             f"--temp-dir={self.temp_dir}", "--disable-usage-stats",
         ]  # fmt: skip
-        log = self.run_dir / "logs" / "ray-head.log"
+        log = RunDir(self.run_dir).log("ray-head")
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             self.head = subprocess.Popen(

@@ -33,7 +33,8 @@ from typing import Any
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.rundir import handoff, heartbeat
 from areal_cli.rundir.disk import diagnose
-from areal_cli.rundir.layout import STEP_PREFIX, trim_after
+from areal_cli.rundir.layout import trim_after
+from areal_cli.rundir.paths import STEP_PREFIX, RunDir
 
 
 class RestartBudget:
@@ -90,7 +91,7 @@ class Restarter:
             raise problem
         if not self._allowed(failed, "trainer"):
             raise failed
-        entry = handoff.latest(run_dir / "recover", STEP_PREFIX)
+        entry = handoff.latest(RunDir(run_dir).recover, STEP_PREFIX)
         start = entry.version + 1 if entry else 1
         where = f"{entry.path}, at step {start}" if entry else "the start (no recover entry yet)"
         self.sink.warn(f"{failed}; relaunching the trainer from {where}")

@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_cli.rundir.layout import STEP_PREFIX
+from areal_cli.rundir import heartbeat, registry
+from areal_cli.rundir.paths import CONFIG_FILE, STEP_PREFIX, RunDir
 
-RUN_FILE = "run.json"
 END_STATES = {0: "finished", 130: "stopped"}  # any other exit code: failed
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
     """Write RUN/run.json atomically (temp file, then rename)."""
-    path = run_dir / RUN_FILE
-    tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}.tmp")
+    path = RunDir(run_dir).record
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
 
@@ -103,7 +103,7 @@ def end_record(run_dir: Path, exit_code: int) -> None:
 
 def read_record(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / RUN_FILE).read_text())
+        return json.loads(RunDir(run_dir).record.read_text())
     except (OSError, ValueError):
         return None
 
@@ -123,7 +123,7 @@ def _alive(pid: int) -> bool:
 
 
 def _metrics_lines(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     try:
         text = path.read_text()
     except OSError:
@@ -138,7 +138,7 @@ def _metrics_lines(run_dir: Path) -> list[dict]:
 
 
 def _has_recover(run_dir: Path) -> bool:
-    recover = run_dir / "recover"
+    recover = RunDir(run_dir).recover
     return recover.is_dir() and any(p.name.startswith(STEP_PREFIX) for p in recover.iterdir())
 
 
@@ -204,9 +204,9 @@ def is_active(state: str) -> bool:
 
 def find_runs(fileroot: Path) -> list[Path]:
     """Run directories under FILEROOT (FILEROOT/EXPERIMENT/TRIAL holding config.yaml)."""
-    if (fileroot / "config.yaml").is_file():
+    if RunDir(fileroot).config.is_file():
         return [fileroot]
-    return sorted(p.parent for p in fileroot.glob("*/*/config.yaml"))
+    return sorted(p.parent for p in fileroot.glob(f"*/*/{CONFIG_FILE}"))
 
 
 def age(seconds: float) -> str:
@@ -249,7 +249,7 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> str:
 def _registered(run_dir: Path, name: str) -> str:
     """Where a server's job step said it runs (RUN/registry/NAME.json), or ''."""
     try:
-        entry = json.loads((run_dir / "registry" / f"{name}.json").read_text())
+        entry = json.loads(registry.entry_path(run_dir, name).read_text())
     except (OSError, ValueError):
         return ""
     node = f" on node {entry['node']}" if entry.get("node") else ""
@@ -283,12 +283,8 @@ def status_lines(run_dir: Path) -> list[str]:
             alive = f"on {v.record.get('host')}"
         where = _registered(run_dir, name)
         out.append(f"  {name:<10} pid {pid:<8} {alive}{where}")
-    for beat in sorted((run_dir / "heartbeat").glob("*.json")):
-        try:
-            phase = json.loads(beat.read_text())["phase"]
-        except (OSError, ValueError, KeyError):
-            continue
-        out.append(f"  {beat.stem:<10} phase: {phase}")
+    for name, beat in sorted(heartbeat.read_all(run_dir).items()):
+        out.append(f"  {name:<10} phase: {beat.phase}")
     if v.last:
         shown = {k: x for k, x in v.last.items() if not k.endswith("_s") and k != "time"}
         out.append("  last metrics: " + json.dumps(shown))

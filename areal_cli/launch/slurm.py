@@ -33,19 +33,18 @@ cleanly and can be resumed.
 from __future__ import annotations
 
 import os
-import secrets
 import shlex
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
 from areal_cli.launch.plan import HEAD_NODE, LaunchPlan, ProcessSpec
 from areal_cli.launch.step import server_command
+from areal_cli.rundir.paths import RunDir
 from areal_cli.rundir.registry import HOST_ENV
 
 SECRET_ENV = "AREAL_INFERENCE_API_KEY"  # the API key travels to the job in the environment
@@ -77,7 +76,7 @@ def run_slurm(argv: list[str], timeout_s: float = 60.0, env: dict | None = None)
 
 def job_command(recipe: Path, overrides: list[str], resume: bool) -> list[str]:
     """The controller's command line inside the job. The servers listen on every
-    interface there, so they always get an API key: `submit_run` hands the job the
+    interface there, so they always get an API key: `launch.submit.submit_run` hands the job the
     recipe's key, or a random one, in SECRET_ENV, and this line only refers to it (no
     file holds the key)."""
     kept = [o for o in overrides if not o.startswith("inference.api_key=")]
@@ -104,7 +103,7 @@ def render_sbatch(cfg: Any, plan: LaunchPlan, command: list[str], cwd: str) -> s
         if getattr(slurm, key):
             options.append(f"--{key}={getattr(slurm, key)}")
     options += [
-        f"--output={run_dir / 'logs' / 'slurm-%j.out'}",
+        f"--output={RunDir(run_dir).logs / 'slurm-%j.out'}",
         "--open-mode=append",
         f"--chdir={cwd}",
         f"--signal={TIME_LIMIT_SIGNAL}",
@@ -130,51 +129,6 @@ def _shell_word(arg: str) -> str:
     if arg.endswith("=" + ref):
         return shlex.quote(arg[: -len(ref)]) + f'"{ref}"'
     return shlex.quote(arg)
-
-
-def submit_run(
-    loaded: Any,
-    plan: LaunchPlan,
-    recipe: Path,
-    overrides: list[str],
-    resume: bool,
-    echo: Callable[[str], None],
-    warn: Callable[[str], None],
-) -> int:
-    """Check the data, write the run's files and the batch script, and submit it; returns
-    the exit code. FileExistsError or DatasetError before anything is submitted."""
-    from areal_cli.config.loader import to_yaml
-    from areal_cli.launch import runs
-    from areal_cli.launch.train import read_data
-    from areal_cli.rundir.handoff import write_text_atomic
-    from areal_cli.rundir.layout import prepare_run_dir
-
-    cfg = loaded.config
-    run_dir = Path(plan.run_dir)
-    active = runs.view(run_dir).state
-    if runs.is_active(active):
-        raise FileExistsError(f"{run_dir} is {active}; `areal stop {run_dir}` first")
-    warnings: list[str] = []
-    read_data(cfg, warnings.append)
-    secret = cfg.inference.api_key or secrets.token_urlsafe(24)
-    prepare_run_dir(run_dir, plan.dirs, to_yaml(cfg), plan.to_dict(secret=secret), resume)
-    for line in warnings:
-        warn(line)
-    script = run_dir / "slurm" / "job.sbatch"
-    script.parent.mkdir(parents=True, exist_ok=True)
-    command = job_command(recipe, overrides, resume)
-    write_text_atomic(script, render_sbatch(cfg, plan, command, os.getcwd()))
-    env = {**os.environ, SECRET_ENV: secret}
-    try:
-        job_id = run_slurm(["sbatch", "--parsable", str(script)], env=env).strip().split(";")[0]
-    except SlurmError as exc:
-        warn(str(exc))
-        return 1
-    runs.submitted_record(cfg, run_dir, str(recipe), job_id)
-    echo(f"submitted Slurm job {job_id} for {run_dir} ({script})")
-    echo(f"  follow it:  areal logs {run_dir} -f    (or squeue -s -j {job_id})")
-    echo(f"  stop it:    areal stop {run_dir}       (or scancel {job_id})")
-    return 0
 
 
 # ------------------------------------------------------------------ the job's state

@@ -37,7 +37,8 @@ from areal_cli.rollout.controller import ServerAddress, run_loop, steps_in
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
-from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, step_name, trim_after
+from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
+from areal_cli.rundir.paths import VERSION_PREFIX, RunDir, step_name
 
 
 def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]) -> Path:
@@ -167,7 +168,7 @@ async def _trainer_done(
 def _keep_newest_weights(run_dir: Path) -> None:
     """A finished run keeps only its newest weights/vN: the older ones (keep_last) were
     there for servers still reading them, and nothing reads them once the run is over."""
-    for entry in handoff.list_entries(run_dir / "weights", "v")[:-1]:
+    for entry in handoff.list_entries(RunDir(run_dir).weights, VERSION_PREFIX)[:-1]:
         handoff.remove_entry(entry.path)
 
 
@@ -224,7 +225,7 @@ def run_training(
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
     resume_command = resume_command or "areal train RECIPE --resume"
-    if resume and len(steps_in(run_dir / "metrics.jsonl")) >= cfg.total_train_steps:
+    if resume and len(steps_in(RunDir(run_dir).metrics)) >= cfg.total_train_steps:
         sink.status(
             f"{run_dir} already finished its {cfg.total_train_steps} steps: nothing to do "
             "(raise total_train_steps to train on)"

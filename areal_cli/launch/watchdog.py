@@ -39,6 +39,7 @@ from typing import Any
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import heartbeat
 from areal_cli.rundir.heartbeat import Beat
+from areal_cli.rundir.paths import RunDir
 
 
 class RunStuck(RuntimeError):
@@ -234,13 +235,13 @@ async def watch(
         stuck = dog.check(beats, servers, time.time())
         if stuck is None:
             continue
-        logs = run_dir / "logs"
+        logs = RunDir(run_dir).logs
         if stuck.side == "trainer":
             dumps = await _stack_dumps(run_dir, stuck.ranks)
             explained = explain_trainer(stuck.ranks, dumps, time.time())
             raise RunStuck(
                 f"{stuck.headline}: {explained or stuck.detail}. Stacks: "
-                f"{run_dir / heartbeat.HEARTBEAT_DIR}/trainer-*.stack; log: {logs / 'trainer.log'}"
+                f"{RunDir(run_dir).heartbeat}/trainer-*.stack; log: {RunDir(run_dir).log('trainer')}"
             )
         health = await client.health() if client else {}
         down = [names[address] for address, ok in health.items() if not ok]

@@ -20,6 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from areal_cli.rundir.paths import RunDir
+
 SHOWN = (
     "reward_mean",
     "staleness_mean",
@@ -129,7 +131,7 @@ class Sink:
         os.dup2(devnull, console.file.fileno())
         os.close(devnull)
         closed = "stdout" if console is self.console else "stderr"
-        log = self.run_dir / "logs" / "controller.log"
+        log = RunDir(self.run_dir).log("controller")
         line = f"{closed} was closed (its reader exited); the run goes on, logging to {log}"
         self._log_line(f"warning: {line}")
         if console is self.console:
@@ -138,15 +140,16 @@ class Sink:
     def finish(self, run_dir: Path) -> None:
         self._stop_live()
         self._close_writers()
-        history = read_metrics(run_dir / "metrics.jsonl")
+        paths = RunDir(run_dir)
+        history = read_metrics(paths.metrics)
         if not history:
             return
         self._print(self.console, summary_table(history, time.monotonic() - self._started))
         if any("reward_mean" in h for h in history):
-            path = plot_reward_curve(history, run_dir / "reward_curve.png")
+            path = plot_reward_curve(history, paths.reward_curve)
         else:  # a supervised role
-            path = plot_loss_curve(history, run_dir / "loss_curve.png")
-        self._print(self.console, f"metrics: {run_dir / 'metrics.jsonl'}   curve: {path}")
+            path = plot_loss_curve(history, paths.loss_curve)
+        self._print(self.console, f"metrics: {paths.metrics}   curve: {path}")
 
     def _log_line(self, text: str) -> None:
         if self._log is None and not self.run_dir.is_dir():
@@ -155,7 +158,7 @@ class Sink:
             return  # the disk refused it once (full or read-only): the console still shows
         try:
             if self._log is None:
-                self._log = open_log(self.run_dir / "logs" / "controller.log")
+                self._log = open_log(RunDir(self.run_dir).log("controller"))
             self._log.write(time.strftime("%H:%M:%S ") + text + "\n")
             self._log.flush()
         except OSError:
@@ -166,7 +169,7 @@ class Sink:
         if self.cfg.logging.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(RunDir(self.run_dir).tensorboard))
         wandb_cfg = self.cfg.logging.wandb
         if wandb_cfg.mode != "disabled":
             import wandb

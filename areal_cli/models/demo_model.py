@@ -45,7 +45,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_cli.rundir import handoff
-from areal_cli.rundir.layout import STEP_PREFIX
+from areal_cli.rundir.paths import STEP_PREFIX, RunDir
 
 # Grades a completion against the reference answer (the recipe's reward, builtin:numeric,
 # given by the caller: models sit below rollout and do not import its rewards).
@@ -266,7 +266,7 @@ def build_arith_demo_model(
 
 def metrics_path(checkpoint: Path) -> Path:
     """RUN/metrics.jsonl of the run that wrote RUN/checkpoints/step-N."""
-    return checkpoint.parents[1] / "metrics.jsonl"
+    return RunDir(checkpoint.parents[1]).metrics
 
 
 def _run_sft(
@@ -311,13 +311,13 @@ def _run_sft(
         try:
             while child.poll() is None:
                 if progress is not None:
-                    progress(_lines(run_dir / "metrics.jsonl"), total)
+                    progress(_lines(RunDir(run_dir).metrics), total)
                 time.sleep(0.5)
         finally:
             if child.poll() is None:  # interrupted: the run goes with its parent
                 child.kill()
                 child.wait()
-    found = [e.path for e in handoff.list_entries(run_dir / "checkpoints", STEP_PREFIX)]
+    found = [e.path for e in handoff.list_entries(RunDir(run_dir).checkpoints, STEP_PREFIX)]
     if child.returncode != 0 or not found:
         tail = "\n".join(output.read_text(errors="replace").strip().splitlines()[-15:])
         raise RuntimeError(

@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.config.loader import LoadedConfig
 from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rollout.errors import RunFailed
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.workflows import EpisodeClient, Trajectory, Workflow, resolve_workflow
 from areal_cli.rundir import handoff
-from areal_cli.rundir.layout import STEP_PREFIX, step_name
+from areal_cli.rundir.paths import STEP_PREFIX, VERSION_PREFIX, RunDir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,10 +51,6 @@ if TYPE_CHECKING:
     from areal_cli.data.prompts import Prompt, PromptStream
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
-
-
-class RunFailed(RuntimeError):
-    """The run failed after it started; the message says which process and where its log is."""
 
 
 @dataclass
@@ -267,7 +264,7 @@ def write_rollout_batch(
     state.gate_wait_s = 0.0
     t0 = time.perf_counter()
     write_batch(
-        ctx.run_dir / "rollouts",
+        RunDir(ctx.run_dir).rollouts,
         step,
         batch,
         {"data_state": ctx.stream.state_dict(), "stats": stats},
@@ -275,7 +272,7 @@ def write_rollout_batch(
     stats["rollout_save_s"] = time.perf_counter() - t0
     state.batch_stats[step] = stats
     handoff.gc(
-        ctx.run_dir / "rollouts",
+        RunDir(ctx.run_dir).rollouts,
         STEP_PREFIX,
         keep_last=ctx.cfg.rollout.max_staleness + 2 + ctx.cfg.recover.freq_steps,
     )
@@ -291,11 +288,11 @@ async def weights_task(ctx: RolloutContext, state: LoopState, poll_s: float = 0.
     fallback for filesystems that do not report renames (another node's NFS client)."""
     from areal_cli.inference.client import WeightUpdateFailed
 
-    weights_dir = ctx.run_dir / "weights"
+    weights_dir = RunDir(ctx.run_dir).weights
     watcher = handoff.Watcher(weights_dir)
     try:
         while True:
-            entry = handoff.newest_after(weights_dir, "v", state.version)
+            entry = handoff.newest_after(weights_dir, VERSION_PREFIX, state.version)
             if entry is not None and ctx.inference.any_up():  # else: the restart loads it
                 t0 = time.perf_counter()
                 async with state.weights_lock:  # a restarted server joins between loads
@@ -367,8 +364,9 @@ async def metrics_task(
     poll_s: float = 0.1,
 ) -> None:
     """Join trainer stats and rollout stats per step into metrics.jsonl and the display."""
-    trainer_file = ctx.run_dir / "logs" / "trainer-metrics.jsonl"
-    done = steps_in(ctx.run_dir / "metrics.jsonl")
+    paths = RunDir(ctx.run_dir)
+    trainer_file = paths.trainer_metrics
+    done = steps_in(paths.metrics)
     pending: dict[int, dict] = {}
     offset = 0
     while True:
@@ -385,7 +383,7 @@ async def metrics_task(
             rollout = state.batch_stats.get(step) or _stored_stats(ctx.run_dir, step)
             metrics = build_metrics(record, rollout, state.handoff.get(step, {}))
             metrics |= counters | {"requests_reissued": ctx.inference.reissued}
-            with open(ctx.run_dir / "metrics.jsonl", "a") as f:
+            with open(paths.metrics, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             done.add(step)
             sink.step(metrics)
@@ -406,7 +404,7 @@ def _stored_stats(run_dir: Path, step: int) -> dict:
     """A step's rollout figures from its batch entry: after a restart, for a step whose
     batch an earlier controller wrote but whose line it never did."""
     try:
-        return dict(handoff.read_entry(run_dir / "rollouts" / step_name(step)).meta["stats"])
+        return dict(handoff.read_entry(RunDir(run_dir).rollout(step)).meta["stats"])
     except (handoff.IncompleteEntry, KeyError):
         return {}
 
@@ -513,7 +511,7 @@ async def run_loop(
                 tasks = [t for t in tasks if not t.done()]
             done_task.result()
             await asyncio.sleep(0.3)  # let the metrics task read the trainer's last line
-            lines, _ = read_new_lines(run_dir / "logs" / "trainer-metrics.jsonl", 0)
+            lines, _ = read_new_lines(RunDir(run_dir).trainer_metrics, 0)
             await _drain_metrics(ctx, state, sink, len(lines))
         finally:
             for task in [*tasks, done_task]:
@@ -528,7 +526,7 @@ async def _drain_metrics(
     ctx: RolloutContext, state: LoopState, sink: StepSink, expected: int, timeout_s: float = 30.0
 ) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(steps_in(ctx.run_dir / "metrics.jsonl")) < expected and time.monotonic() < deadline:
+    while len(steps_in(RunDir(ctx.run_dir).metrics)) < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
 
 
@@ -536,6 +534,6 @@ def _restore_stream(stream: PromptStream[Prompt], run_dir: Path, start_step: int
     """The dataset position after batch start_step-1, saved with it (a resumed run)."""
     if start_step == 1:
         return
-    entry = handoff.latest(run_dir / "rollouts", STEP_PREFIX)
+    entry = handoff.latest(RunDir(run_dir).rollouts, STEP_PREFIX)
     if entry is not None and entry.version == start_step - 1 and "data_state" in entry.meta:
         stream.load_state_dict(entry.meta["data_state"])

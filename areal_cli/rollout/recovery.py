@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from areal_cli.rollout.errors import RunFailed
 from areal_cli.rundir import handoff
+from areal_cli.rundir.paths import VERSION_PREFIX, RunDir
 
 
 class ServerRecovery:
@@ -38,8 +40,6 @@ class ServerRecovery:
         """Wait for the new process (`check` raises if it died again), load the current
         weights and route to it again; returns the version it holds (0: the initial
         model, -1: none known yet after a resume, which the loop loads on every server)."""
-        from areal_cli.rollout.controller import RunFailed
-
         client = self.ctx.inference
         deadline = time.monotonic() + self.timeout_s
         while not await client.healthy(address):
@@ -51,7 +51,7 @@ class ServerRecovery:
         async with self.state.weights_lock:
             version = self.state.version
             if version > 0:
-                entries = handoff.list_entries(self.ctx.run_dir / "weights", "v")
+                entries = handoff.list_entries(RunDir(self.ctx.run_dir).weights, VERSION_PREFIX)
                 entry = next((e for e in entries if e.version == version), None)
                 if entry is None:  # collected already: the newest, which all load next
                     entry = entries[-1]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from areal_cli.rundir import handoff
-from areal_cli.rundir.layout import step_name
+from areal_cli.rundir.paths import step_name
 
 BATCH_FILE = "batch.safetensors"
 _TOKEN_KEYS = ("input_ids", "loss_mask", "logprobs", "versions")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_cli.rundir import handoff
+from areal_cli.rundir.paths import VERSION_PREFIX, RunDir
 
 KINDS = (
     "an HF folder (config.json and *.safetensors), a run directory (its newest weights/vN), "
@@ -39,7 +40,7 @@ class Located:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "config.yaml").is_file() and (path / "plan.json").is_file()
+    return RunDir(path).config.is_file() and RunDir(path).plan.is_file()
 
 
 def run_dir_containing(path: Path) -> Path | None:
@@ -65,7 +66,7 @@ def locate(path: Path) -> Located:
     if (path / ".metadata").is_file() or (path / "dcp" / ".metadata").is_file():
         return Located("dcp", path, run_dir_containing(path))
     if is_run_dir(path):
-        entry = handoff.latest(path / "weights", "v")
+        entry = handoff.latest(RunDir(path).weights, VERSION_PREFIX)
         if entry is None:
             raise CheckpointError(
                 f"run directory {path} has no finished weights/vN yet; give one of its "

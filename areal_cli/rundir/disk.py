@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from areal_cli.rundir import handoff
-from areal_cli.rundir.layout import STEP_PREFIX, VERSION_PREFIX
+from areal_cli.rundir.paths import STEP_PREFIX, VERSION_PREFIX, RunDir
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 # (folder, entry prefix) of everything the trainer writes in the run directory
@@ -116,8 +116,8 @@ def disk_problem(run_dir: Path, needed: int | None = None) -> str | None:
 
 def last_good(run_dir: Path) -> str:
     """The newest complete weights and recover entries, in words."""
-    weights = handoff.latest(run_dir / "weights", VERSION_PREFIX)
-    recover = handoff.latest(run_dir / "recover", STEP_PREFIX)
+    weights = handoff.latest(RunDir(run_dir).weights, VERSION_PREFIX)
+    recover = handoff.latest(RunDir(run_dir).recover, STEP_PREFIX)
     return (
         f"the newest complete entries are weights/{weights.path.name if weights else '(none)'} "
         f"and recover/{recover.path.name if recover else '(none)'}"

@@ -1,14 +1,4 @@
-"""The run directory's layout: where a run lives, what it holds, how it starts and resumes.
-
-    FILEROOT/EXPERIMENT/TRIAL/
-      config.yaml  plan.json  metrics.jsonl  reward_curve.png
-      logs/ heartbeat/ rollouts/ weights/ checkpoints/ recover/ eval/  model/ (builtins)
-
-Steps count from 1, in every name and figure: step K is the K-th update of the model.
-It trains on rollouts/step-K, publishes weights/vK (v0 is the initial model), is the line
-`"step": K` of metrics.jsonl, the console's "step K/N" and `areal status`'s K/N (K steps
-done), and when due it writes recover/step-K and checkpoints/step-K: the state after K
-steps. A resume from recover/step-K goes on with step K+1.
+"""How a run directory starts and resumes (its names are in areal_cli.rundir.paths).
 
 `prepare_run_dir` creates the tree and writes config.yaml and plan.json (each through a
 temp name and a rename); `trim_after` forgets what a resumed run will redo. Both only
@@ -24,24 +14,8 @@ from typing import Any
 
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import handoff
+from areal_cli.rundir.paths import STEP_PREFIX, VERSION_PREFIX, RunDir
 
-STEP_PREFIX = "step-"  # rollouts/, recover/, checkpoints/: step-K
-VERSION_PREFIX = "v"  # weights/: vK
-
-
-def step_name(step: int) -> str:
-    """The entry of step `step` (from 1) under rollouts/, recover/ or checkpoints/."""
-    return f"{STEP_PREFIX}{step}"
-
-
-def version_name(version: int) -> str:
-    """The entry of weight version `version` under weights/ (the weights after that many steps)."""
-    return f"{VERSION_PREFIX}{version}"
-
-
-RUN_SUBDIRS = (
-    "logs", "heartbeat", "registry", "rollouts", "weights", "checkpoints", "recover", "eval",
-)  # fmt: skip
 # Files of a model folder that travel with its weights (exports, conversions); the weights
 # themselves and any index or manifest are written anew.
 _MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
@@ -58,15 +32,8 @@ def run_dir_of(cfg: ExperimentConfig) -> Path:
 def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
     """Where servers and trainer load the initial weights from (builtins are built in RUN/model)."""
     if cfg.model.path.startswith("builtin:"):
-        return str(run_dir / "model")
+        return str(RunDir(run_dir).model)
     return cfg.model.path
-
-
-# RUN/model-rm: the model a reward-model run trains, the body of model.path with a scalar
-# head (written by the trainer; areal_cli.models.scalar_head)
-SCALAR_MODEL_DIR = "model-rm"
-# RUN/model-critic: the PPO critic's starting model, likewise (areal_cli.trainer.critic)
-CRITIC_MODEL_DIR = "model-critic"
 
 
 def model_files_to_copy(model_dir: Path) -> list[Path]:
@@ -85,31 +52,32 @@ def prepare_run_dir(
     run (1, or the step after the newest recover entry).
 
     A directory that already holds published weights is refused unless `resume` is set."""
-    started = (run_dir / "weights").is_dir() and any((run_dir / "weights").iterdir())
+    paths = RunDir(run_dir)
+    started = paths.weights.is_dir() and any(paths.weights.iterdir())
     if started and not resume:
         raise FileExistsError(
             f"{run_dir} already holds a run; add --resume to continue it, or set another trial_name"
         )
     for directory in dirs:
         Path(directory).mkdir(parents=True, exist_ok=True)
-    handoff.write_json_atomic(run_dir / "plan.json", plan)
-    handoff.write_text_atomic(run_dir / "config.yaml", config_yaml)
+    handoff.write_json_atomic(paths.plan, plan)
+    handoff.write_text_atomic(paths.config, config_yaml)
     if not resume:
         return 1
-    entry = handoff.latest(run_dir / "recover", STEP_PREFIX)
+    entry = handoff.latest(paths.recover, STEP_PREFIX)
     return entry.version + 1 if entry else 1
 
 
 def trim_after(run_dir: Path, last_step: int) -> None:
     """Forget rollouts, weights and metrics of steps after `last_step` (they will be redone)."""
-    for entry in handoff.list_entries(run_dir / "rollouts", STEP_PREFIX):
+    paths = RunDir(run_dir)
+    for entry in handoff.list_entries(paths.rollouts, STEP_PREFIX):
         if entry.version > last_step:
             handoff.remove_entry(entry.path)
-    for entry in handoff.list_entries(run_dir / "weights", VERSION_PREFIX):
+    for entry in handoff.list_entries(paths.weights, VERSION_PREFIX):
         if entry.version > last_step:  # trained after the checkpoint: will be redone
             handoff.remove_entry(entry.path)
-    for name in ("metrics.jsonl", "logs/trainer-metrics.jsonl"):
-        path = run_dir / name
+    for path in (paths.metrics, paths.trainer_metrics):
         if path.exists():
             keep = [
                 line

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_cli.rundir import handoff
-from areal_cli.rundir.layout import STEP_PREFIX, step_name
+from areal_cli.rundir.paths import STEP_PREFIX, step_name
 
 
 def _broadcast_object(obj: Any) -> Any:

@@ -79,6 +79,21 @@ class Critic:
     eos_id: int | None
     model_dir: Path  # its config and tokenizer, which its HF exports carry
 
+    # What the actor's step (areal_cli.trainer.step) asks of it; the step never imports
+    # this module, so the critic can use the step's machinery without a cycle.
+    stat_keys = STAT_KEYS  # its per-token sums, reduced with the actor's
+
+    def targets(self, batch, shards, plans, cfg, layout, beat, stats) -> list:
+        """Old values, advantages and returns for every micro-batch (see `targets`)."""
+        return targets(self, batch, shards, plans, cfg, layout, beat, stats)
+
+    def update(self, batch, minibatch, shard, plan, row, layout, beat, stats) -> list[float]:
+        """Its optimizer steps on one minibatch (see `update`)."""
+        return update(self, batch, minibatch, shard, plan, row, layout, beat, stats)
+
+    def finish_stats(self, out: dict[str, float], grad_norms: list[float], n: int) -> dict:
+        return finish_stats(out, grad_norms, n)
+
 
 @dataclass
 class Targets:
@@ -96,13 +111,13 @@ def build_critic(
 ) -> Critic:
     """The sharded critic on the actor's mesh, with its optimizer from
     `build_optimizer(model, cfg, lr=...)` (the trainer's; collective)."""
-    from areal_cli.rundir.layout import CRITIC_MODEL_DIR
+    from areal_cli.rundir.paths import RunDir
     from areal_cli.trainer.parallelize import build_sharded_model, scalar_model
 
     # critic.path when it has a scalar head; else RUN/model-critic: the body of critic.path
     # (or model.path) with a head at zero
     source = Path(cfg.critic.path) if cfg.critic.path else model_dir
-    folder = scalar_model(source, run_dir / CRITIC_MODEL_DIR, cfg.seed, head_std=0.0)
+    folder = scalar_model(source, RunDir(run_dir).critic_model, cfg.seed, head_std=0.0)
     model = build_sharded_model(
         folder,
         mesh,

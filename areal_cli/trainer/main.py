@@ -6,7 +6,7 @@
 Setup, then the loop, then cleanup:
   setup   process group (nccl on GPUs, gloo on CPU), device mesh, FSDP2 model, optimizer;
           with --resume, the newest RUN/recover/step-N entry restores everything.
-  loop    for each step k, counted from 1 (see areal_cli.rundir.layout): wait for
+  loop    for each step k, counted from 1 (see areal_cli.rundir.paths): wait for
           RUN/rollouts/step-k (or DIR/step-k with --batches), train, publish weights
           RUN/weights/vk, append one line of stats to RUN/logs/trainer-metrics.jsonl,
           and every recover.freq_steps write RUN/recover/step-k.
@@ -43,7 +43,7 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import handoff
 from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.heartbeat import Heartbeat
-from areal_cli.rundir.layout import STEP_PREFIX, step_name, version_name
+from areal_cli.rundir.paths import STEP_PREFIX, RunDir, step_name, version_name
 from areal_cli.trainer import checkpoint
 from areal_cli.trainer.parallelize import build_sharded_model, scalar_model
 from areal_cli.trainer.step import train_step
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: Heartbeat) -> None:
     """Setup, the loop over steps, cleanup (see the module docstring)."""
-    from areal_cli.rundir.layout import SCALAR_MODEL_DIR, initial_model_path
+    from areal_cli.rundir.layout import initial_model_path
     from areal_cli.trainer.mesh import build_mesh, step_layout
 
     beat.phase("init process group")
@@ -180,7 +180,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     model_dir = Path(initial_model_path(cfg, run_dir))
     if cfg.algorithm == "rm":  # a scalar head on model.path's body, unless it has one
         beat.phase("add a scalar head")
-        model_dir = scalar_model(model_dir, run_dir / SCALAR_MODEL_DIR, cfg.seed)
+        model_dir = scalar_model(model_dir, RunDir(run_dir).scalar_model, cfg.seed)
     build = {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
     beat.phase("build model")
     model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp, **build)
@@ -214,7 +214,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     if role is not None:
         print0(f"[trainer] {role.describe()}")
     start = 1  # the first step this process trains (steps count from 1)
-    if args.resume and (entry := handoff.latest(run_dir / "recover", STEP_PREFIX)):
+    if args.resume and (entry := handoff.latest(RunDir(run_dir).recover, STEP_PREFIX)):
         beat.phase(f"load {entry.path.name}")
         state = checkpoint.load_recover(entry, model, optimizer, _extra(critic))
         scheduler.load_state_dict(state["scheduler"])
@@ -226,7 +226,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         if role is None:  # republish the restored weights: servers continue from exactly them
             meta = {"step": done, "resumed": True}
             checkpoint.export_hf(
-                run_dir / "weights",
+                RunDir(run_dir).weights,
                 version_name(done),
                 done,
                 model,
@@ -269,13 +269,13 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
         )
     beat.phase("final barrier")
     dist.barrier()
-    final = run_dir / "checkpoints" / step_name(last)
+    final = RunDir(run_dir).checkpoint(last)
     # also when resumed at the end: the killed trainer may have died before writing it
     if cfg.saver.freq_steps == 0 and last > 0 and (last >= start or not final.exists()):
         beat.phase("final checkpoint")
         _export_checkpoint(run_dir, last, model, model_dir, cfg)
         if critic is not None:
-            _export_checkpoint(run_dir, last, critic.model, critic.model_dir, cfg, "critic")
+            _export_checkpoint(run_dir, last, critic.model, critic.model_dir, cfg, critic=True)
     checkpoint.wait_for_cleanup()
     beat.phase("done")
     dist.barrier()  # the process then exits without tearing gloo down (see __main__)
@@ -306,12 +306,12 @@ def _extra(critic) -> dict | None:
 
 
 def _export_checkpoint(
-    run_dir: Path, step: int, model, model_dir: Path, cfg: ExperimentConfig, sub: str = ""
+    run_dir: Path, step: int, model, model_dir: Path, cfg: ExperimentConfig, critic: bool = False
 ) -> None:
-    """The model after `step` steps as an HF folder RUN/checkpoints[/SUB]/step-K
-    (collective; SUB "critic" for the PPO critic)."""
+    """The model after `step` steps as an HF folder RUN/checkpoints/step-K, or the PPO
+    critic's as RUN/checkpoints/critic/step-K (collective)."""
     checkpoint.export_hf(
-        run_dir / "checkpoints" / sub if sub else run_dir / "checkpoints",
+        RunDir(run_dir).critic_checkpoints if critic else RunDir(run_dir).checkpoints,
         step_name(step),
         step,
         model,
@@ -336,7 +336,7 @@ def run_one_step(
     critic=None,
 ) -> dict:
     """Wait for the batch, train on it, publish weights, log, checkpoint."""
-    source = batches_dir or run_dir / "rollouts"
+    source = batches_dir or RunDir(run_dir).rollouts
     step_start = time.perf_counter()
     entry, waited = wait_for_entry(source, step_name(step), batches_dir is not None, beat)
     beat.phase(f"step {step}: read batch")
@@ -360,7 +360,7 @@ def run_one_step(
     t1 = time.perf_counter()
     meta = {"step": step, "stats": stats}
     checkpoint.export_hf(
-        run_dir / "weights",
+        RunDir(run_dir).weights,
         version_name(step),
         step,
         model,
@@ -418,8 +418,9 @@ def finish_step(
     record, so a kill between the two must lose the entry (the resume redoes the step and
     trims its line), never the line."""
     if dist.get_rank() == 0:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "logs" / "trainer-metrics.jsonl", "a") as f:
+        lines = RunDir(run_dir).trainer_metrics
+        lines.parent.mkdir(parents=True, exist_ok=True)
+        with open(lines, "a") as f:
             f.write(json.dumps(record) + "\n")
     if cfg.recover.freq_steps and step % cfg.recover.freq_steps == 0:
         beat.phase(f"step {step}: save recover checkpoint")
@@ -428,7 +429,7 @@ def finish_step(
         if critic is not None:
             state["critic_scheduler"] = critic.scheduler.state_dict()
         checkpoint.save_recover(
-            run_dir / "recover",
+            RunDir(run_dir).recover,
             step,
             model,
             optimizer,
@@ -441,7 +442,7 @@ def finish_step(
         beat.phase(f"step {step}: save checkpoint")
         _export_checkpoint(run_dir, step, model, model_dir, cfg)
         if critic is not None:
-            _export_checkpoint(run_dir, step, critic.model, critic.model_dir, cfg, "critic")
+            _export_checkpoint(run_dir, step, critic.model, critic.model_dir, cfg, critic=True)
     beat.steps_done = step
 
 

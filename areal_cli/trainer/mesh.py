@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal_cli.config.allocation import parse_allocation
+from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.losses import VocabShard
-from areal_cli.trainer.step import StepLayout
 
 DIMS = ("dp", "cp", "tp")
 

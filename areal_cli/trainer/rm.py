@@ -34,11 +34,11 @@ from torch import nn
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, format_prompt, load_prompts, reply_ids
 from areal_cli.trainer import attention
+from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences
 from areal_cli.trainer.sft import Beat, step_indices
 from areal_cli.trainer.step import (
     Stats,
-    StepLayout,
     agree_on_plans,
     empty_forward,
     optimizer_step,

@@ -50,9 +50,9 @@ from areal_cli.data.prompts import (
 )
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
+from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.step import (
     Stats,
-    StepLayout,
     agree_on_micro_batches,
     empty_forward,
     forward_logprobs,

@@ -42,7 +42,7 @@ from torch import nn
 from areal_cli.config.schema import TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import attention, losses
-from areal_cli.trainer.losses import VocabShard
+from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
 Beat = Callable[[str], None]
@@ -50,28 +50,6 @@ Beat = Callable[[str], None]
 
 def _no_beat(phase: str) -> None:
     pass
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """How this rank takes part in a step; `data_parallel()` when there is no mesh."""
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    data_world: int = 1  # ranks holding different tokens (FSDP averages gradients over them)
-    stats_group: Any = None  # where per-token sums are reduced; None: the whole world
-    vocab: VocabShard | None = None  # the LM head's logits are split (tensor parallel)
-    cp_rank: int = 0  # context parallel: this rank's slice of each micro-batch's positions
-    cp_size: int = 1
-    cp_group: Any = None
-
-    @classmethod
-    def data_parallel(cls) -> StepLayout:
-        """Every rank of the world is a data-parallel rank (or the only process)."""
-        if not dist.is_initialized():
-            return cls()
-        world = dist.get_world_size()
-        return cls(dist.get_rank(), world, world)
 
 
 @dataclass
@@ -271,9 +249,7 @@ class Stats:
 def _stat_keys(cfg: TrainEngineConfig, critic: Any = None) -> tuple[list[str], list[str]]:
     sums = ["loss", "loss_tokens", "tokens", "entropy_sum", "clip_frac_sum", "behav_logprob_sum"]
     if critic is not None:
-        from areal_cli.trainer import critic as critic_role
-
-        sums += critic_role.STAT_KEYS
+        sums += critic.stat_keys
     sums += ["padding_fraction_sum", "replanned_shards", "empty_micro_batches"]
     maxes = ["activation_bytes"]
     if cfg.kl_ctl > 0:
@@ -339,9 +315,7 @@ def train_step(
     )
     targets = None
     if critic is not None:
-        from areal_cli.trainer import critic as critic_role
-
-        targets = critic_role.targets(critic, batch, shards, plans, cfg, layout, beat, stats)
+        targets = critic.targets(batch, shards, plans, cfg, layout, beat, stats)
     grad_norms, critic_norms = [], []
     for m, (minibatch, shard, plan) in enumerate(zip(minibatches, shards, plans, strict=True)):
         if not minibatch:  # fewer sequences than minibatches: the same on every rank
@@ -406,8 +380,8 @@ def train_step(
         if scheduler is not None:
             scheduler.step()
         if critic is not None:
-            critic_norms += critic_role.update(
-                critic, batch, minibatch, shard, plan, targets[m], layout, beat, stats
+            critic_norms += critic.update(
+                batch, minibatch, shard, plan, targets[m], layout, beat, stats
             )
     for plan in plans:
         stats.add("padding_fraction_sum", plan.padding_fraction)
@@ -417,7 +391,7 @@ def train_step(
     out = stats.reduce(layout.stats_group)
     result = {}
     if critic is not None:
-        result = critic_role.finish_stats(out, critic_norms, len(critic_norms))
+        result = critic.finish_stats(out, critic_norms, len(critic_norms))
         result["critic_lr"] = critic.optimizer.param_groups[0]["lr"]
     result.update(
         _finish_stats(out, grad_norms, batch, layout.data_world, n_minibatches, optimizer)

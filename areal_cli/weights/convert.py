@@ -161,17 +161,18 @@ def find_model_dir(src: Source, override: Path | None) -> Path:
             raise ConvertError(f"--model-config {override} has no config.json")
         return override
     from areal_cli.config.loader import load_config
-    from areal_cli.rundir.layout import CRITIC_MODEL_DIR, SCALAR_MODEL_DIR, initial_model_path
+    from areal_cli.rundir.layout import initial_model_path
+    from areal_cli.rundir.paths import RunDir
 
     for parent in [src.entry, *src.entry.parents][:4]:
-        config = parent / "config.yaml"
+        config = RunDir(parent).config
         if config.is_file():
             cfg = load_config(config).config
             model = Path(initial_model_path(cfg, parent))
-            if cfg.algorithm == "rm" and (parent / SCALAR_MODEL_DIR).is_dir():
-                model = parent / SCALAR_MODEL_DIR  # what the reward model trained
+            if cfg.algorithm == "rm" and RunDir(parent).scalar_model.is_dir():
+                model = RunDir(parent).scalar_model  # what the reward model trained
             if src.part == "critic":  # RUN/model-critic, unless critic.path had a head
-                made = parent / CRITIC_MODEL_DIR
+                made = RunDir(parent).critic_model
                 model = made if made.is_dir() or not cfg.critic.path else Path(cfg.critic.path)
             if (model / "config.json").is_file():
                 return model

@@ -88,7 +88,7 @@ def test_a_group_with_one_stale_episode_is_dropped_whole_and_counted() -> None:
 
 
 def test_a_failed_rollout_stops_the_loop_by_name() -> None:
-    from areal_cli.rollout.controller import RunFailed
+    from areal_cli.rollout.errors import RunFailed
 
     state = LoopState(version=0, next_step=1)
     state.ready = deque([ValueError("reward worker crashed")])

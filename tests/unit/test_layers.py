@@ -12,6 +12,8 @@ Layers, bottom to top; a module may import its own package and any lower layer:
   6 evaluation
   7 cli
 Imports inside functions count too: a lazy import still ties the packages together.
+Inside a package the modules import each other without a cycle (a cycle hides which
+module is the lower one, and a lazy import only postpones it).
 """
 
 from __future__ import annotations
@@ -80,3 +82,131 @@ def test_imports_point_down() -> None:
             if other not in LAYERS or LAYERS[other] >= LAYERS[own]:
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of a package -> the modules of the same package it imports."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        own = _package(name)
+        graph[name] = {
+            t for t in targets if t in modules and t != name and own and _package(t) == own
+        }
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycles_are_found() -> None:
+    graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}
+    assert _cycles(graph) == [["a.x", "a.y", "a.z"]]
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    found = _cycles(_module_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+# --------------------------------------------------------------- run-directory names
+
+ENTRY_NAMES = {
+    "logs", "heartbeat", "registry", "rollouts", "weights", "checkpoints", "recover", "eval",
+    "tensorboard", "slurm", "model", "model-rm", "model-critic", "critic",
+}  # fmt: skip
+FILE_NAMES = {
+    "config.yaml", "plan.json", "run.json", "metrics.jsonl", "trainer-metrics.jsonl",
+    "reward_curve.png", "loss_curve.png", "job.sbatch",
+}  # fmt: skip
+# Paths that are no run directory's, though a part is spelled like one: (file, name, why)
+NOT_A_RUN_DIRECTORY = {
+    ("areal_cli/cli.py", "logs"),  # $AREAL_CACHE_DIR/logs: where `areal serve` logs by default
+}
+
+
+def _path_parts(tree: ast.AST) -> list[tuple[int, str]]:
+    """String constants used as parts of a path: `x / "name"`, `"name" / x`,
+    `x.joinpath("name", ...)`, and f-strings that start an entry name (`f"step-{k}"`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            for side in (node.left, node.right):
+                if isinstance(side, ast.Constant) and isinstance(side.value, str):
+                    found.append((node.lineno, side.value))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("joinpath", "glob", "rglob", "with_name")
+        ):
+            for arg in node.args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    found.append((node.lineno, arg.value))
+        elif isinstance(node, ast.JoinedStr) and node.values:
+            first = node.values[0]
+            if isinstance(first, ast.Constant) and first.value in ("step-", "v"):
+                found.append((node.lineno, first.value))
+    return found
+
+
+def _spells_a_run_name(text: str) -> bool:
+    parts = [p for p in text.replace("*", "").split("/") if p]
+    return any(p in ENTRY_NAMES or p in FILE_NAMES or p.startswith("step-") for p in parts) or (
+        text in ("step-", "v")
+    )
+
+
+def test_only_the_run_directory_package_spells_its_names() -> None:
+    """RUN/weights, RUN/metrics.jsonl, step-K, ... are named in areal_cli.rundir.paths
+    (RunDir) only; everywhere else asks RunDir for them."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent)
+        if rel.parts[1] == "rundir":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, text in _path_parts(tree):
+            if _spells_a_run_name(text) and (str(rel), text) not in NOT_A_RUN_DIRECTORY:
+                wrong.append(f"{rel}:{line} spells {text!r}")
+        for node in ast.walk(tree):  # the file names, wherever they stand (not in prose)
+            if isinstance(node, ast.Constant) and node.value in FILE_NAMES:
+                wrong.append(f"{rel}:{node.lineno} spells {node.value!r}")
+    assert not wrong, "use areal_cli.rundir.paths.RunDir:\n" + "\n".join(wrong)
