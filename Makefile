@@ -1,4 +1,4 @@
-# Usage: make install | make test | make lint | make demo | make vllm
+# Usage: make install | make test | make test-fast | make lint | make demo | make vllm
 # Each target creates .venv on first use; torch is pinned by constraints.txt (CPU build).
 PY ?= python3
 VENV := .venv
@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint demo clean
+.PHONY: install test test-fast lint demo clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ install-locked:
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit loop: every test not marked slow (unit tests, and the inference tests that
+# start no process).
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The CPU demo: builds the tiny model (cached after the first run) and trains it with RL.
 demo: install

@@ -261,21 +261,11 @@ def serve(
     ),
 ) -> None:
     """Run one inference server in the foreground; Ctrl-C stops it."""
-    from areal_cli.config.backends import backend_missing
-    from areal_cli.inference.argv import BACKENDS, server_argv, server_env
-
-    if backend not in BACKENDS:
-        _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    from areal_cli.inference.guards import bind_problem, port_free
-
-    refused = bind_problem(host, api_key, insecure_no_api_key)
-    if refused:
-        _die(refused)
-    if backend != "embedded" and (weight_root or insecure_no_api_key):
-        _die("--weight-root and --insecure-no-api-key are flags of the embedded server")
-    if missing := backend_missing(backend, python):
-        _die(missing)
+    from areal_cli.inference.argv import server_argv, server_env
+    from areal_cli.inference.guards import port_free
     from areal_cli.models.builtin import cache_dir
+
+    _check_serve_flags(backend, host, api_key, insecure_no_api_key, bool(weight_root), python)
 
     path = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
     try:
@@ -298,6 +288,25 @@ def serve(
         _die(f"port {port} on {host} is already in use")
     log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
     _run_in_foreground(argv, url, log, api_key, startup_timeout, server_env(backend, api_key))
+
+
+def _check_serve_flags(
+    backend: str, host: str, api_key: str, insecure: bool, weight_roots: bool, python: str
+) -> None:
+    """`areal serve`'s flags that cannot work together, or a backend that is not there."""
+    from areal_cli.config.backends import backend_missing
+    from areal_cli.inference.argv import BACKENDS
+    from areal_cli.inference.guards import bind_problem
+
+    if backend not in BACKENDS:
+        _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    refused = bind_problem(host, api_key, insecure)
+    if refused:
+        _die(refused)
+    if backend != "embedded" and (weight_roots or insecure):
+        _die("--weight-root and --insecure-no-api-key are flags of the embedded server")
+    if missing := backend_missing(backend, python):
+        _die(missing)
 
 
 def _die(message: str) -> NoReturn:

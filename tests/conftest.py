@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Building a model with transformers makes torch create its inductor cache folder, by
 # default in /tmp; the test process keeps it in areal's cache, as the CLI does.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
+
+
+def free_port() -> int:
+    """A port free on loopback now (the one helper the tests share for this)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_areal(

@@ -216,21 +216,17 @@ def server_addresses(cfg: Any, plan: LaunchPlan, runner: LocalRunner) -> list[Se
     ]
 
 
-def run_training(
-    loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any, resume_command: str = ""
-) -> int:
-    """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
-    that cannot be used raises DatasetError before anything is written or started.
-    `resume_command` (the command line that continues the run) is shown after a stop."""
+def _prepare(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) -> tuple | None:
+    """Read the data and prepare the run directory (a resume forgets the steps it redoes);
+    returns the first step and the data, or None when the run has nothing left to do."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
-    resume_command = resume_command or "areal train RECIPE --resume"
     if resume and len(steps_in(RunDir(run_dir).metrics)) >= cfg.total_train_steps:
         sink.status(
             f"{run_dir} already finished its {cfg.total_train_steps} steps: nothing to do "
             "(raise total_train_steps to train on)"
         )
-        return 0
+        return None
     warnings: list[str] = []
     data = read_data(cfg, warnings.append, sink.status)
     start_step = prepare_run_dir(
@@ -243,7 +239,57 @@ def run_training(
         sink.status(_resume_line(run_dir, start_step, cfg.total_train_steps))
     if start_step > cfg.total_train_steps:
         sink.status(f"nothing to do: the run already finished {start_step - 1} steps")
+        return None
+    return start_step, data
+
+
+def _start_and_train(
+    loaded: LoadedConfig,
+    plan: LaunchPlan,
+    runner: LocalRunner,
+    resume: bool,
+    sink: Any,
+    start_step: int,
+    data: Any,
+) -> None:
+    """Start every process of the plan, then run the loop to the last step, relaunching
+    the trainer when it dies (within launcher.restarts); raises what stops the run."""
+    cfg = loaded.config
+    run_dir = Path(plan.run_dir)
+    for spec in plan.processes:
+        runner.start(spec, child_argv(spec, resume))
+    servers = server_addresses(cfg, plan, runner)
+    runs.start_record(cfg, run_dir, str(loaded.recipe), runner.pids(), plan.run_id)
+    sink.start(cfg, start_step)
+    restarter = Restarter(runner, cfg.launcher.restarts, sink)
+    restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
+    while True:
+        loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter)
+        try:
+            asyncio.run(loop)
+            break
+        except ChildFailed as exc:
+            if exc.child.spec.name != "trainer":
+                raise
+            argv = child_argv(exc.child.spec, resume=True)
+            start_step = restarter.trainer(exc, run_dir, argv)
+    _keep_newest_weights(run_dir)
+    sink.finish(run_dir)
+
+
+def run_training(
+    loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any, resume_command: str = ""
+) -> int:
+    """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
+    that cannot be used raises DatasetError before anything is written or started.
+    `resume_command` (the command line that continues the run) is shown after a stop."""
+    cfg = loaded.config
+    run_dir = Path(plan.run_dir)
+    resume_command = resume_command or "areal train RECIPE --resume"
+    prepared = _prepare(loaded, plan, resume, sink)
+    if prepared is None:
         return 0
+    start_step, data = prepared
     ensure_model(loaded, run_dir, sink.status)
     heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog
     registry.clear(run_dir)
@@ -261,25 +307,7 @@ def run_training(
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, areal stop, a closed terminal
     previous = {s: signal.signal(s, on_signal) for s in stops}
     try:
-        for spec in plan.processes:
-            runner.start(spec, child_argv(spec, resume))
-        servers = server_addresses(cfg, plan, runner)
-        runs.start_record(cfg, run_dir, str(loaded.recipe), runner.pids(), plan.run_id)
-        sink.start(cfg, start_step)
-        restarter = Restarter(runner, cfg.launcher.restarts, sink)
-        restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
-        while True:
-            loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter)
-            try:
-                asyncio.run(loop)
-                break
-            except ChildFailed as exc:
-                if exc.child.spec.name != "trainer":
-                    raise
-                argv = child_argv(exc.child.spec, resume=True)
-                start_step = restarter.trainer(exc, run_dir, argv)
-        _keep_newest_weights(run_dir)
-        sink.finish(run_dir)
+        _start_and_train(loaded, plan, runner, resume, sink, start_step, data)
         return 0
     except KeyboardInterrupt:  # a stop that was asked for: not an error
         name = signal.Signals(interrupted["signal"] or signal.SIGINT).name

@@ -181,19 +181,21 @@ class Watcher:
         except BlockingIOError:
             pass
 
-    def wait(self, timeout: float) -> None:
-        """Return once something was renamed in since the last wait, or after `timeout`."""
+    def wait(self, timeout: float) -> bool:
+        """Return once something was renamed in since the last wait (True), or after
+        `timeout` (False; always so without inotify)."""
         if self._fd is None:
             time.sleep(timeout)
-            return
-        select.select([self._fd], [], [], timeout)
+            return False
+        woken, _, _ = select.select([self._fd], [], [], timeout)
         self._drain()
+        return bool(woken)
 
-    async def wait_async(self, timeout: float) -> None:
+    async def wait_async(self, timeout: float) -> bool:
         """`wait` for an asyncio loop."""
         if self._fd is None:
             await asyncio.sleep(timeout)
-            return
+            return False
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         loop.add_reader(self._fd, lambda: ready.done() or ready.set_result(None))
@@ -204,6 +206,7 @@ class Watcher:
         finally:
             loop.remove_reader(self._fd)
         self._drain()
+        return ready.done() and not ready.cancelled()
 
     def close(self) -> None:
         if self._fd is not None:

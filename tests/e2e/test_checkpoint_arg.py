@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_areal
+from tests.conftest import REPO, free_port, run_areal
 from tests.e2e.test_train import _args, _run_dir
-from tests.gloo.conftest import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.evaluation.run import summarize_rows
-from tests.conftest import run_areal
-from tests.gloo.conftest import free_port
+from tests.conftest import free_port, run_areal
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -72,18 +70,6 @@ def test_a_folder_that_is_no_checkpoint_is_bad_input(tmp_path: Path) -> None:
     assert (
         "is not a checkpoint; give an HF folder" in errors[0] and "RUN/recover/step-N" in errors[0]
     )
-
-
-def test_summary_rows() -> None:
-    rows = [
-        {"prompt_index": p, "sample_index": i, "reward": r, "tokens": 3}
-        for p, rs in enumerate([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
-        for i, r in enumerate(rs)
-    ]
-    s = summarize_rows(rows, [1, 4], 1.0)
-    assert s["accuracy"] == pytest.approx(5 / 12)
-    assert s["pass@1"] == pytest.approx((0.25 + 0 + 1) / 3)
-    assert s["pass@4"] == pytest.approx((1 + 0 + 1) / 3)
 
 
 def _eval_default_out(tmp_path: Path, *extra: str):

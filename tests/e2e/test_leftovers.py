@@ -14,8 +14,7 @@ import pytest
 
 from areal_cli.models.builtin import build_cached
 from areal_cli.rollout.rewards import numeric
-from tests.conftest import REPO
-from tests.gloo.conftest import free_port
+from tests.conftest import REPO, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from areal_cli.rundir import handoff
-from tests.conftest import REPO, run_areal
+from tests.conftest import REPO, free_port, run_areal
 from tests.e2e.test_train import _assert_no_processes_left
-from tests.gloo.conftest import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from areal_cli.rundir import handoff
-from tests.conftest import REPO, run_areal
+from tests.conftest import REPO, free_port, run_areal
 from tests.e2e.test_train import _assert_no_processes_left, _wait_for
-from tests.gloo.conftest import free_port
 from tests.gloo.test_trainer import _load_all, _max_diff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

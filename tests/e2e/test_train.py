@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from areal_cli.rundir import handoff
-from tests.conftest import REPO
-from tests.gloo.conftest import free_port
+from tests.conftest import REPO, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,14 +13,9 @@ import pytest
 import torch
 
 from areal_cli.rundir.batch import RolloutBatch, write_batch
+from tests.conftest import free_port
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(

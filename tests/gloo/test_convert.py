@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_areal
-from tests.gloo.conftest import free_port, make_batches, torchrun, write_config
+from tests.conftest import free_port, run_areal
+from tests.gloo.conftest import make_batches, torchrun, write_config
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 

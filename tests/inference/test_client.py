@@ -8,7 +8,6 @@ and 4xx is not. The last test kills one real server.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +27,9 @@ from areal_cli.inference.client import (
     WeightUpdateFailed,
 )
 from areal_cli.launch.local import ServerProcess, start_server
+from tests.conftest import free_port
 
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(coro: Any) -> Any:

@@ -19,15 +19,9 @@ import pytest
 from areal_cli.config.backends import SGLANG_MISSING
 from areal_cli.inference.argv import server_argv
 from areal_cli.launch.local import ServerStartError, start_server
-from tests.conftest import REPO, run_areal
+from tests.conftest import REPO, free_port, run_areal
 
 GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:

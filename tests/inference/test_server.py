@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +53,6 @@ class Server:
             return status, json.loads(raw) if raw else None
         except json.JSONDecodeError:
             return status, raw.decode()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(server: Server, timeout: float = 120) -> None:

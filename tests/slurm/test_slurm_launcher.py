@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_areal
+from tests.conftest import free_port, run_areal
 from tests.e2e.test_lifecycle import _state
 from tests.e2e.test_train import _assert_no_processes_left, _metrics
-from tests.gloo.conftest import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.slurm]
 

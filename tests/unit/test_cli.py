@@ -24,6 +24,7 @@ def test_help_lists_commands() -> None:
 
 def test_train_help_is_frozen() -> None:
     result = run_areal("train", "--help")
+    assert result.returncode == 0, result.stderr
     for option in ("--dry-run", "--json", "RECIPE.yaml", "KEY=VALUE"):
         assert option in result.stdout
 

@@ -158,6 +158,8 @@ def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
 
 
 def test_public_key_paths_exist() -> None:
+    import dataclasses
+
     cfg = ExperimentConfig()
     for path in [
         "experiment_name",
@@ -174,9 +176,11 @@ def test_public_key_paths_exist() -> None:
         "gconfig.max_new_tokens",
         "gconfig.temperature",
     ]:
+        *sections, leaf = path.split(".")
         node = cfg
-        for part in path.split("."):
+        for part in sections:
             node = getattr(node, part)
+        assert leaf in {f.name for f in dataclasses.fields(node)}, f"{path} is no config field"
 
 
 def test_every_field_has_a_doc() -> None:

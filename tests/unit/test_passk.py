@@ -68,3 +68,17 @@ def test_summarize_rejects_bad_input() -> None:
         summarize([], [1])
     with pytest.raises(ValueError):
         summarize([[True], []], [1])
+
+
+def test_summary_rows() -> None:
+    from areal_cli.evaluation.run import summarize_rows
+
+    rows = [
+        {"prompt_index": p, "sample_index": i, "reward": r, "tokens": 3}
+        for p, rs in enumerate([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+        for i, r in enumerate(rs)
+    ]
+    s = summarize_rows(rows, [1, 4], 1.0)
+    assert s["accuracy"] == pytest.approx(5 / 12)
+    assert s["pass@1"] == pytest.approx((0.25 + 0 + 1) / 3)
+    assert s["pass@4"] == pytest.approx((1 + 0 + 1) / 3)
