@@ -51,9 +51,12 @@ def _fail(problems: list, context: str) -> None:
 def _load_and_check(
     recipe: Path, overrides: list[str] | None, command: str, launch: bool
 ) -> tuple[LoadedConfig, CheckResult]:
+    """Load, resolve and check the recipe (exit 2 on any problem); `launch` (a real run,
+    not a plan) adds the checks and the run-time values of a real run (config.resolve)."""
     from areal_cli.config.errors import ConfigErrors
     from areal_cli.config.loader import load_config
-    from areal_cli.config.validate import check_config
+    from areal_cli.config.resolve import resolve
+    from areal_cli.config.rules import check_config
 
     invalid: frozenset[str] = frozenset()
     try:
@@ -63,13 +66,16 @@ def _load_and_check(
         if exc.partial is None:  # no recipe at all
             _fail(exc.problems, f"in {recipe}")
         loaded, problems, invalid = exc.partial, exc.problems, exc.invalid
+    # Resolve, then check, each once; nothing changes the checked config afterwards.
+    resolved = resolve(loaded, launch=launch)
+    loaded = resolved.loaded
     # Cross-field checks run too, except those that read a key reported above.
     result = check_config(loaded, command=command, launch=launch, invalid=invalid)
     for warning in result.warnings:
         typer.echo(f"warning: {warning.format()}", err=True)
     if problems or result.problems:
         _fail(problems + result.problems, f"in {recipe}")
-    for note in result.resolve_hub_ids(loaded.config):
+    for note in resolved.notes:
         typer.echo(f"note: {note}", err=True)
     return loaded, result
 
@@ -99,11 +105,9 @@ def train(
     in_allocation: bool = typer.Option(False, "--in-allocation", hidden=True),
 ) -> None:
     """Train with asynchronous RL as the recipe says."""
-    from areal_cli.launch.plan import build_plan, ensure_server_key, new_run_id, pick_ports
+    from areal_cli.launch.plan import build_plan, new_run_id, pick_ports
 
     loaded, result = _load_and_check(recipe, overrides, "train", launch=not dry_run)
-    if not dry_run:
-        ensure_server_key(loaded.config)
     ports = pick_ports(loaded.config, result.allocation)  # a dry run shows what it would pick
     plan = build_plan(loaded.config, result.allocation, ports=ports, run_id=new_run_id())
     submit = plan.launcher == "slurm" and not in_allocation

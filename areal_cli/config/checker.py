@@ -1,5 +1,6 @@
-"""The checker that every rule of a recipe writes into (areal_cli.config.validate runs
-the rules; role_rules and launcher_rules hold some of them)."""
+"""The public checker that every rule of a recipe writes into (areal_cli.config.rules
+holds the rules and runs them): a rule reads the config through it, skips keys already
+found invalid, and reports problems and warnings with the file and line of their key."""
 
 from __future__ import annotations
 
@@ -18,18 +19,6 @@ class CheckResult:
     problems: list[ConfigProblem] = field(default_factory=list)
     warnings: list[ConfigProblem] = field(default_factory=list)
     allocation: AllocationMode | None = None
-    # Hub ids found in the local Hugging Face cache: key path -> (hub id, snapshot folder).
-    hub_snapshots: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-    def resolve_hub_ids(self, config: ExperimentConfig) -> list[str]:
-        """Put each cached hub id's local snapshot folder in `config` (every process then
-        loads that folder, offline); returns one note per replaced value."""
-        notes = []
-        for key, (repo_id, folder) in self.hub_snapshots.items():
-            section, name = key.split(".")
-            setattr(getattr(config, section), name, folder)
-            notes.append(f"{key}: {repo_id} -> {folder} (local Hugging Face cache)")
-        return notes
 
 
 class Checker:

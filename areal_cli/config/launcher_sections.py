@@ -1,6 +1,6 @@
 """The `launcher:` section of the recipe schema: how processes are started (local, Slurm,
-Ray), the progress watchdog and the restart limits. Part of areal_cli.config.schema, kept
-apart to keep each file short."""
+Ray), the progress watchdog and the restart limits; the launch layer's own settings,
+which areal_cli.config.schema puts under ExperimentConfig."""
 
 from __future__ import annotations
 

@@ -571,7 +571,7 @@ def load_config(recipe: str | Path, overrides: list[str] | None = None) -> Loade
     """Read, compose, override, interpolate and type-check a recipe.
 
     Raises `ConfigErrors` listing every problem found; cross-field checks are in
-    `validate.check_config`. The error carries the config as far as it could be built
+    `rules.check_config`. The error carries the config as far as it could be built
     (`partial`) and the keys whose values are unusable (`invalid`), so callers can run the
     cross-field checks that do not read those keys and report everything at once.
     """

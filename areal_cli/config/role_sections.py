@@ -1,5 +1,6 @@
-"""The recipe sections of the supervised roles (`algorithm: sft`, `algorithm: rm`): part of
-the schema (areal_cli.config.schema), kept apart to keep each file short."""
+"""The recipe sections of the supervised roles (`algorithm: sft`, `algorithm: rm`): the
+schema of what only those roles read. areal_cli.config.schema holds the sections every
+run reads and the RL ones, and puts these under ExperimentConfig."""
 
 from __future__ import annotations
 

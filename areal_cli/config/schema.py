@@ -2,7 +2,7 @@
 
 This is the one place that says which keys exist, their types, defaults, ranges and docs.
 YAML is only data: `loader.load_config` turns a recipe into these classes, and
-`validate.check_config` applies the cross-field rules. `python -m areal_cli.config.reference`
+`rules.check_config` applies the cross-field rules. `python -m areal_cli.config.reference`
 renders this file into docs/config-reference.md (a test keeps the two in sync).
 
 Names follow AReaL's public vocabulary (`TrainEngineConfig`, `FSDPEngineConfig`,

@@ -207,7 +207,6 @@ async def _score_all(
     tokenizer: Any,
     prompts: list,
 ) -> list[dict]:
-    from areal_cli.config.allocation import parse_allocation
     from areal_cli.config.schema import GenerationHyperparameters
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
@@ -221,7 +220,7 @@ async def _score_all(
         timeout_s=cfg.rollout.request_timeout_s,
         retries=cfg.rollout.request_retries,
         logs={a: p.log for a, p in zip(addresses, plan.processes, strict=True)},
-        backend=parse_allocation(cfg.allocation_mode).inference_backend,
+        backend=plan.backend,
         served_model=plan.served_model,
     )
     rewards = RewardPool.from_config(ev.reward, loaded.recipe.resolve().parent)

@@ -40,6 +40,7 @@ from pathlib import Path
 from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.backends import vllm_python
 from areal_cli.config.loader import REDACTED
+from areal_cli.config.resolve import on_loopback
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.inference.argv import (
     VLLM_MODULE,
@@ -111,23 +112,6 @@ def _free_ports(n: int, avoid: tuple[int, ...] = ()) -> tuple[int, ...]:
     return tuple(picked)
 
 
-def on_loopback(cfg: ExperimentConfig) -> bool:
-    """Every process runs on this machine: the local launcher, or a local Ray that areal
-    starts. Servers then listen on 127.0.0.1; otherwise on every interface."""
-    return cfg.launcher.type == "local" or (
-        cfg.launcher.type == "ray" and not cfg.launcher.ray.address
-    )
-
-
-def ensure_server_key(cfg: ExperimentConfig) -> None:
-    """Servers that listen on every interface need an API key: a Ray cluster run without
-    one gets a random key for this run (Slurm's comes from the submit side)."""
-    if cfg.launcher.type == "ray" and not on_loopback(cfg) and not cfg.inference.api_key:
-        import secrets
-
-        cfg.inference.api_key = secrets.token_urlsafe(24)
-
-
 @dataclass
 class ProcessSpec:
     """One child process: how to start it and what it may use."""
@@ -158,7 +142,8 @@ class LaunchPlan:
     trial_name: str
     run_dir: str
     device_type: str
-    allocation_mode: str
+    allocation_mode: str  # as the recipe wrote it
+    allocation: AllocationMode  # ... and parsed, once (config.rules); plan.json has both
     dirs: list[str]
     files: list[str]
     processes: list[ProcessSpec]
@@ -166,6 +151,11 @@ class LaunchPlan:
     launcher: str = "local"
     n_nodes: int = 1
     run_id: str = ""  # the run's identity; its servers serve served_name(run_id)
+
+    @property
+    def backend(self) -> str | None:
+        """The inference backend's name (None for a role with no server)."""
+        return self.allocation.inference_backend
 
     @property
     def served_model(self) -> str:
@@ -241,6 +231,7 @@ def build_plan(
         run_dir=str(run_dir),
         device_type=device_type,
         allocation_mode=cfg.allocation_mode,
+        allocation=mode,
         dirs=[str(run_dir)] + [str(run_dir / d) for d in SUBDIRS],
         files=[str(f) for f in (paths.config, paths.plan, paths.metrics, paths.log("controller"))],
         processes=processes,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal_cli.config.loader import load_config
-from areal_cli.config.validate import check_config
+from areal_cli.config.rules import check_config
 from areal_cli.inference.argv import sglang_args
 from areal_cli.launch.plan import Ports, build_plan, pick_ports, served_name
 from tests.conftest import REPO

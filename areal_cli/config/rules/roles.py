@@ -1,19 +1,15 @@
 """The rules of the roles (`algorithm:`): which sections and keys each one reads, and
-what the reward model and the PPO critic need. Part of `validate.check_config`, kept
-apart to keep each file short; `c` is its checker."""
+what the reward model and the PPO critic need."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from areal_cli.config.allocation import AllocationMode
+from areal_cli.config.checker import Checker
 from areal_cli.config.errors import PATH_RULE
 from areal_cli.config.model_info import model_config
 from areal_cli.config.schema import RL_ACTOR_KEYS, RL_SECTIONS, ROLE_SECTIONS
-
-if TYPE_CHECKING:
-    from areal_cli.config.checker import Checker
 
 
 def check_role_sections(c: Checker) -> None:

@@ -1,16 +1,12 @@
 """The launcher's rules: several nodes (a trainer split evenly over them, or packed on one
-under Ray) and the Slurm options. Part of `validate.check_config`, kept apart to keep each file short; `c` is its
-checker."""
+under Ray) and the Slurm options."""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from areal_cli.config.allocation import AllocationMode
-
-if TYPE_CHECKING:
-    from areal_cli.config.checker import Checker
+from areal_cli.config.checker import Checker
 
 
 def check_nodes(c: Checker, mode: AllocationMode) -> None:

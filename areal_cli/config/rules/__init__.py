@@ -1,0 +1,100 @@
+"""Cross-field checks of a loaded recipe: every rule, in one package, run by `check_config`.
+
+`check_config` runs every rule on the resolved config (config.resolve) and returns all
+problems and warnings together; a rule that would read a key the loader already found
+invalid is skipped, so each independent problem is reported once. Static rules
+(divisibility, allocation against the declared cluster, paths that look local) run for
+`validate` and `--dry-run`; `launch=True` adds what only a real run needs (model weights
+and datasets present on this machine), so a dry run of a GPU recipe works on a laptop.
+
+Each module holds the rules of one part of the recipe, and every rule writes into the
+public `Checker` (config.checker):
+  allocation  the allocation string (parsed here, once), devices, ports, batch, t/c
+  paths       the model, its tokenizer and the datasets on this machine
+  rl          rollout, staleness, reward and workflow functions, eval, weight update
+  roles       the sections and keys of each algorithm; the reward model and the critic
+  launcher    several nodes; Slurm's options
+  run_dir     the run's names and a writable fileroot
+  backends    what an inference backend needs beyond the allocation (vLLM's interpreter)
+"""
+
+from __future__ import annotations
+
+from areal_cli.config.checker import Checker, CheckResult
+from areal_cli.config.errors import ConfigErrors
+from areal_cli.config.loader import LoadedConfig
+from areal_cli.config.rules.allocation import (
+    check_allocation,
+    check_batch,
+    check_devices,
+    check_ports,
+    check_tensor_parallel,
+)
+from areal_cli.config.rules.backends import check_vllm
+from areal_cli.config.rules.launcher import check_slurm
+from areal_cli.config.rules.paths import check_dataset, check_model
+from areal_cli.config.rules.rl import check_planned, check_rl
+from areal_cli.config.rules.roles import (
+    check_critic,
+    check_reward_model,
+    check_role_keys,
+    check_role_sections,
+)
+from areal_cli.config.rules.run_dir import check_fileroot, check_names
+from areal_cli.config.schema import SUPERVISED
+
+__all__ = ["CheckResult", "Checker", "check_config", "raise_on_problems"]
+
+
+def check_config(
+    loaded: LoadedConfig,
+    *,
+    command: str = "train",
+    launch: bool = False,
+    invalid: frozenset[str] = frozenset(),
+) -> CheckResult:
+    """Run every cross-field rule; `command` is train, eval or validate. Rules that read a
+    key in `invalid` (already reported by the loader) are skipped."""
+    c = Checker(loaded, invalid)
+    check_names(c)
+    supervised = c.cfg.algorithm in SUPERVISED and command != "eval"
+    check_role_sections(c)
+    if supervised:
+        check_role_keys(c)
+    mode = check_allocation(c, command, supervised) if c.valid("allocation_mode") else None
+    c.result.allocation = mode
+    if mode is not None:
+        if mode.inference_backend == "vllm" and c.valid("inference.vllm.python"):
+            check_vllm(c, launch)
+        check_devices(c, mode)
+        check_ports(c, mode)
+        if mode.train is not None and not supervised:
+            check_batch(c, mode)
+    if c.valid("model"):
+        check_model(c, launch)
+        if mode is not None and mode.train is not None and c.valid("allocation_mode"):
+            check_tensor_parallel(c, mode)
+    if command in ("train", "validate") and c.valid("dataset"):
+        check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
+    if supervised:
+        role = c.cfg.algorithm
+        held_out = getattr(c.cfg, role).eval_path
+        if c.valid(f"{role}.eval_path") and held_out:
+            check_dataset(c, f"{role}.eval_path", held_out, launch, required=False)
+        if role == "rm":
+            check_reward_model(c, mode)
+    else:
+        check_rl(c, command, launch)
+        if c.cfg.algorithm == "ppo":
+            check_critic(c, mode, launch)
+    if launch and command in ("train", "eval"):
+        check_fileroot(c)
+    check_slurm(c)
+    check_planned(c)
+    return c.result
+
+
+def raise_on_problems(result: CheckResult) -> None:
+    """Raise ConfigErrors when the check found any problem."""
+    if result.problems:
+        raise ConfigErrors(result.problems)

@@ -1,0 +1,123 @@
+"""The RL algorithm's own keys (grpo, ppo): rollout sizes and staleness, the reward and
+workflow functions, the eval section, and the weight-update method."""
+
+from __future__ import annotations
+
+from areal_cli.config.checker import Checker
+from areal_cli.config.recipe_code import spec_problem
+from areal_cli.config.rules.paths import check_dataset
+
+BUILTIN_REWARDS = ("exact_match", "numeric", "math")
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
+
+
+def check_rl(c: Checker, command: str, launch: bool) -> None:
+    """The rules of the RL algorithm's own keys: rollout, reward, workflow, eval."""
+    _check_rollout(c)
+    if command in ("train", "validate"):
+        _check_callable(c, "reward.fn", c.cfg.reward.fn, BUILTIN_REWARDS, launch=launch)
+        _check_callable(
+            c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
+        )
+    if (command == "eval" or c.cfg.eval.dataset.path) and c.valid("eval.dataset"):
+        check_dataset(
+            c, "eval.dataset", c.cfg.eval.dataset.path, launch, required=command == "eval"
+        )
+        _check_callable(c, "eval.reward.fn", c.cfg.eval.reward.fn, BUILTIN_REWARDS, launch=launch)
+    _check_eval(c)
+
+
+def _check_rollout(c: Checker) -> None:
+    actor = c.cfg.actor
+    _check_rollout_sizes(c)
+    if not c.valid("actor.eps_clip", "actor.eps_clip_higher"):
+        pass
+    elif (higher := actor.eps_clip_higher) is not None and higher < actor.eps_clip:
+        c.warn(
+            "actor.eps_clip_higher",
+            f"{higher} is below eps_clip {actor.eps_clip}; DAPO's clip-higher is meant to be larger",
+            "raise it or leave it null",
+        )
+    context = c.cfg.inference.sglang.context_length
+    total = c.cfg.dataset.max_prompt_len + c.cfg.gconfig.max_new_tokens
+    keys = ("inference.sglang.context_length", "dataset.max_prompt_len", "gconfig.max_new_tokens")
+    if c.valid(*keys) and context is not None and total > context:
+        c.error(
+            "inference.sglang.context_length",
+            f"{context} is shorter than dataset.max_prompt_len + gconfig.max_new_tokens = {total}",
+            f"raise it to at least {total}",
+        )
+
+
+def _check_rollout_sizes(c: Checker) -> None:
+    """Group size against the advantage estimator and sampling; concurrency against staleness."""
+    rollout, actor = c.cfg.rollout, c.cfg.actor
+    if not c.valid("rollout.group_size"):
+        return
+    if (
+        c.valid("actor.adv_estimator")
+        and actor.adv_estimator in ("grpo", "dr_grpo", "rloo")
+        and rollout.group_size < 2
+    ):
+        c.error(
+            "rollout.group_size",
+            f"{actor.adv_estimator} compares samples within a group; with group_size 1 every advantage is zero",
+            "set rollout.group_size >= 2",
+        )
+    cap = rollout.batch_size * (rollout.max_staleness + 1)
+    keys = ("rollout.batch_size", "rollout.max_staleness", "rollout.max_concurrent_rollouts")
+    if (
+        c.valid(*keys)
+        and rollout.max_concurrent_rollouts is not None
+        and rollout.max_concurrent_rollouts > cap
+    ):
+        c.warn(
+            "rollout.max_concurrent_rollouts",
+            f"{rollout.max_concurrent_rollouts} exceeds batch_size x (max_staleness + 1) = {cap}; the staleness gate never lets more than that run",
+            f"set it <= {cap} or raise rollout.max_staleness",
+        )
+    if c.valid("gconfig.temperature") and c.cfg.gconfig.temperature == 0 and rollout.group_size > 1:
+        c.warn(
+            "gconfig.temperature",
+            "greedy sampling gives every sample of a group the same answer, so advantages are zero",
+            "use a temperature such as 1.0",
+        )
+
+
+def _check_callable(
+    c: Checker,
+    key: str,
+    spec: str,
+    builtins: tuple[str, ...],
+    builtin_prefix: bool = True,
+    launch: bool = True,
+) -> None:
+    """A reward or workflow spec (see recipe_code.spec_problem)."""
+    if not c.valid(key):
+        return
+    found = spec_problem(spec, builtins, c.loaded.recipe.resolve().parent, builtin_prefix, launch)
+    if found is not None:
+        message, fix, only_warn = found
+        (c.warn if only_warn else c.error)(key, message, fix)
+
+
+def _check_eval(c: Checker) -> None:
+    if not c.valid("eval.k", "eval.n_samples"):
+        return
+    ev = c.cfg.eval
+    for i, k in enumerate(ev.k):
+        if k < 1 or k > ev.n_samples:
+            c.error(
+                f"eval.k[{i}]",
+                f"pass@{k} needs 1 <= k <= n_samples ({ev.n_samples})",
+                f"raise eval.n_samples to at least {k} or drop k={k}",
+            )
+
+
+def check_planned(c: Checker) -> None:
+    if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.method != "disk":
+        c.error(
+            "actor.weight_update.method",
+            "nccl weight sync is planned but not available in this version",
+            "use method: disk",
+        )
