@@ -323,16 +323,15 @@ def _serve_model_path(model: str, cache: Path) -> str:
     """A model folder for `serve`: builtin models are built in `cache` on first use."""
     if model.startswith("builtin:"):
         from areal_cli.config.schema import BUILTIN_MODELS, ModelConfig
-        from areal_cli.launch.train import build_builtin
-        from areal_cli.models.builtin import materialize
+        from areal_cli.launch import builtins
 
         preset, seed = model.removeprefix("builtin:"), ModelConfig().seed
         if preset not in BUILTIN_MODELS:
             _die(
                 f"unknown builtin model {model!r}; choose one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}"
             )
-        build_builtin(model, seed, lambda line: typer.echo(f"[areal] {line}", err=True))
-        return str(materialize(preset, seed, cache / f"{preset}-seed{seed}"))
+        say = lambda line: typer.echo(f"[areal] {line}", err=True)  # noqa: E731
+        return str(builtins.materialize(preset, seed, cache / f"{preset}-seed{seed}", say))
     from areal_cli.rundir.checkpoints import CheckpointError, locate
 
     try:

@@ -69,10 +69,9 @@ def reference(recipe: Path, overrides: list[str], steps: int, threads: int) -> N
     random.seed(cfg.seed)
     path = cfg.model.path
     if path.startswith("builtin:"):
-        from areal_cli.models.builtin import build_cached
-        from areal_cli.rollout.rewards import numeric
+        from areal_cli.launch import builtins
 
-        path = str(build_cached(path.split(":", 1)[1], cfg.model.seed, numeric))
+        path = str(builtins.cached(path, cfg.model.seed))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path)
     prompts = load_dataset_prompts(tokenizer, cfg.dataset, lambda _line: None)
     stream = PromptStream.from_config(prompts, cfg.dataset)

@@ -1,7 +1,7 @@
 """Usage: python scripts/make_demo_model.py OUT_DIR [--seed N] [--steps N] [--smoothing F] [--force]
 
 Builds the demo's starting model (`builtin:tiny-arith`, see
-areal_cli/models/demo_model.py) into OUT_DIR and prints its accuracy. It runs the same
+areal_cli/launch/builtins.py) into OUT_DIR and prints its accuracy. It runs the same
 SFT recipe (areal_cli/models/tiny_arith_sft.yaml) that `areal train` runs by itself
 when a recipe first asks for builtin:tiny-arith (and then caches); the options override
 its keys, for inspecting or re-tuning the warm-up (scripts/tune_demo_rl.py runs RL on
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from areal_cli.models.demo_model import build_arith_demo_model
+from areal_cli.launch.builtins import build_arith_demo_model
 from areal_cli.rollout.rewards import numeric
 
 

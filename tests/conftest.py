@@ -1,4 +1,5 @@
-"""Shared test helpers: run the real `areal` CLI, and snapshot a directory tree."""
+"""Shared test helpers: run the real `areal` CLI, snapshot a directory tree, and the tiny
+models and tokenizer every package uses (built once per run)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,30 @@ def snapshot(root: Path) -> dict[str, float]:
 @pytest.fixture
 def areal():
     return run_areal
+
+
+# Tiny models and their tokenizer, built once per test run and shared by every package.
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The "tiny" preset with seed 0."""
+    from areal_cli.models.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed0", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_alt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and tokenizer as `tiny_model_dir`, different weights (seed 1)."""
+    from areal_cli.models.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed1", "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    """The tiny model's tokenizer (a locally trained BPE with a chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -62,11 +62,11 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Chec
     """The HF folder to serve for `--checkpoint` (or the recipe's initial model)."""
     if checkpoint is None:
         if cfg.model.path.startswith("builtin:"):
-            from areal_cli.launch.train import build_builtin
+            from areal_cli.launch import builtins
 
             # Served from the cache: an eval of the initial model creates no run folder.
             say = lambda line: print(f"[areal] {line}", flush=True)  # noqa: E731
-            built = build_builtin(cfg.model.path, cfg.model.seed, say)
+            built = builtins.cached(cfg.model.path, cfg.model.seed, say)
             return Checkpoint(built, "initial", None, built)
         path = Path(cfg.model.path)
         return Checkpoint(path, "initial", None, path)

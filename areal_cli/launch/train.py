@@ -43,31 +43,14 @@ from areal_cli.rundir.paths import VERSION_PREFIX, RunDir, step_name
 
 def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]) -> Path:
     """The initial model folder; builtin models are built into RUN/model once (linked from
-    the cache)."""
+    the cache; a build is announced, with its progress)."""
     cfg = loaded.config
     path = Path(initial_model_path(cfg, run_dir))
     if cfg.model.path.startswith("builtin:"):
-        from areal_cli.models.builtin import materialize
+        from areal_cli.launch import builtins
 
-        build_builtin(
-            cfg.model.path, cfg.model.seed, say
-        )  # announced, with its progress, when it builds
-        materialize(cfg.model.path.split(":", 1)[1], cfg.model.seed, path)
+        builtins.materialize(cfg.model.path, cfg.model.seed, path, say)
     return path
-
-
-def build_builtin(model: str, seed: int, say: Callable[[str], None]) -> Path:
-    """The cache folder of builtin model `model` (builtin:NAME) for `seed`, built on first
-    use: `say` gets a line when a build starts, and a long one shows its steps."""
-    from areal_cli.metrics.display import BuildProgress
-    from areal_cli.models.builtin import build_cached
-    from areal_cli.rollout.rewards import numeric
-
-    progress = BuildProgress(f"building {model}")
-    try:
-        return build_cached(model.split(":", 1)[1], seed, numeric, progress, say)
-    finally:
-        progress.close()
 
 
 def read_data(
@@ -91,7 +74,9 @@ def read_data(
             read_rows(data, check_columns=False).bad.settle(data.on_bad_row, warn)
         return None
     if cfg.model.path.startswith("builtin:"):  # the tokenizer of the cached build
-        source = build_builtin(cfg.model.path, cfg.model.seed, say)
+        from areal_cli.launch import builtins
+
+        source = builtins.cached(cfg.model.path, cfg.model.seed, say)
     else:
         source = cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)

@@ -26,6 +26,9 @@ from areal_cli.config.schema import BUILTIN_MODELS
 
 BUILD_VERSION = "v3"  # bump when a builder changes what it builds, so caches are not reused
 Progress = Callable[[int, int], None]  # (steps done, steps in all) of a build
+# Builds a model that an SFT run makes (OUT, seed, progress): launch.builtins gives it.
+BuildSFT = Callable[[Path, int, Progress | None], object]
+SFT_BUILT = ("tiny-arith",)  # made by the product's own SFT run, not built here
 
 
 def cache_dir() -> Path:
@@ -33,11 +36,7 @@ def cache_dir() -> Path:
 
 
 def _build(
-    name: str,
-    seed: int,
-    out: Path,
-    score: Callable[[str, str], float] | None,
-    progress: Progress | None,
+    name: str, seed: int, out: Path, build_sft: BuildSFT | None, progress: Progress | None
 ) -> None:
     import torch
     from transformers.utils import logging as hf_logging
@@ -49,14 +48,13 @@ def _build(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if name == "tiny-arith":
-            from areal_cli.models.demo_model import build_arith_demo_model
-
-            if score is None:
+        if name in SFT_BUILT:
+            if build_sft is None:
                 raise ValueError(
-                    "builtin:tiny-arith needs `score`, the reward that grades its warm-up"
+                    f"builtin:{name} is made by an SFT run: build it through "
+                    "areal_cli.launch.builtins (areal train and areal serve do)"
                 )
-            build_arith_demo_model(out, score, seed=seed, progress=progress)
+            build_sft(out, seed, progress)
         else:
             from areal_cli.models.tiny_model import build_tiny_model
 
@@ -80,14 +78,14 @@ def is_built(name: str, seed: int) -> bool:
 def build_cached(
     name: str,
     seed: int,
-    score: Callable[[str, str], float] | None = None,
+    build_sft: BuildSFT | None = None,
     progress: Progress | None = None,
     say: Callable[[str], None] | None = None,
 ) -> Path:
     """The cache folder of builtin model `name` for `seed`, built there on first use
-    (`score` as for `materialize`; `progress` sees a long build's steps, and `say` gets
-    one line when a build starts or waits for another process's). Serve it from there;
-    do not write into it."""
+    (`build_sft` makes the models in SFT_BUILT; `progress` sees a long build's steps, and
+    `say` gets one line when a build starts or waits for another process's). Serve it
+    from there; do not write into it."""
     cached = cached_path(name, seed)
     if (cached / "config.json").exists():
         return cached
@@ -103,18 +101,14 @@ def build_cached(
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (cached / "config.json").exists():
             say(f"building builtin:{name} (first use only; then cached in {cached.parent})")
-            _build(name, seed, cached, score, progress)
+            _build(name, seed, cached, build_sft, progress)
     return cached
 
 
-def materialize(
-    name: str, seed: int, dest: Path, score: Callable[[str, str], float] | None = None
-) -> Path:
-    """Put builtin model `name` (for `seed`) at `dest`, building it into the cache first.
-
-    `score(completion, answer)` grades the tiny-arith warm-up (its numbers go into
-    demo_model.json); callers pass the rollout's builtin numeric reward."""
-    cached = build_cached(name, seed, score)
+def materialize(name: str, seed: int, dest: Path, build_sft: BuildSFT | None = None) -> Path:
+    """Put builtin model `name` (for `seed`) at `dest`, building it into the cache first
+    (`build_sft` as for `build_cached`)."""
+    cached = build_cached(name, seed, build_sft)
     if (dest / "config.json").exists():
         return dest
     tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"

@@ -4,10 +4,12 @@ that GRPO has a signal to use.
 
 A randomly initialised model never writes "number then EOS", so every sample would score 0
 and RL would have nothing to learn from. The product makes this model with its own SFT
-role: `build_arith_demo_model` writes the addition data (the same rows as recipes/data,
-from `arith_rows`) and the packaged recipe `tiny_arith_sft.yaml` into a temporary folder,
-runs `areal train` on it (one FSDP2 rank under torchrun, no inference server), and keeps
-the final checkpoint. recipes/tiny_sft.yaml runs the same recipe by hand.
+role: areal_cli.launch.builtins runs `areal train` on the packaged recipe
+`tiny_arith_sft.yaml` and the addition data written here (the same rows as recipes/data,
+from `arith_rows`), one FSDP2 rank under torchrun with no inference server, and keeps
+the final checkpoint with the evaluation made here (`evaluate`). This module holds only
+the model's data and its evaluation: models/ sits below the CLI and never runs it.
+recipes/tiny_sft.yaml runs the same recipe by hand.
 
 The recipe trains on prompts rendered with the tokenizer's chat template (exactly as the
 rollout formats dataset rows) with the answer tokens and EOS as targets, under label
@@ -32,20 +34,11 @@ accuracy. Takes ~30 s on 2 CPU cores.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from areal_cli.rundir import handoff
-from areal_cli.rundir.paths import STEP_PREFIX, RunDir
 
 # Grades a completion against the reference answer (the recipe's reward, builtin:numeric,
 # given by the caller: models sit below rollout and do not import its rewards).
@@ -216,123 +209,3 @@ def evaluate(
             f"{p[0]}+{p[1]} -> {c!r}" for p, c in zip(pairs[:6], sampled[:6], strict=True)
         ],
     }
-
-
-def build_arith_demo_model(
-    out_dir: Path,
-    score: Score,
-    seed: int = 1,
-    overrides: tuple[str, ...] = (),
-    eval_samples: int = 8,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict:
-    """Build the model into `out_dir` atomically by running the SFT recipe (see the module
-    docstring; `overrides` are extra `key=value`s for it); returns what demo_model.json
-    holds."""
-    out_dir = out_dir.resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        work = tmp / "sft"
-        work.mkdir()
-        write_arith_data(work)
-        recipe = Path(shutil.copy(SFT_RECIPE, work / SFT_RECIPE.name))
-        checkpoint, metrics = _run_sft(recipe, tmp / "runs", seed, overrides, progress)
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-        stats = evaluate(model, tokenizer, score, eval_samples, 6, seed + 1)
-        held_out = [m["eval_loss"] for m in metrics if "eval_loss" in m]
-        info = {
-            "base": "builtin:tiny",
-            "seed": seed,
-            "made_by": f"areal train {SFT_RECIPE.name} " + " ".join(overrides),
-            "steps": len(metrics),
-            "first_loss": metrics[0]["loss"],
-            "final_loss": metrics[-1]["loss"],
-            "held_out_loss": held_out,
-            **stats,
-        }
-        # a plain HF folder: the run's entry manifest describes a checkpoint, not this model
-        (checkpoint / handoff.MANIFEST).unlink()
-        shutil.copy(metrics_path(checkpoint), checkpoint / "sft_metrics.jsonl")
-        (checkpoint / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        if out_dir.exists():  # replacing: move the old folder aside, then swap the new one in
-            os.rename(out_dir, tmp / "old")
-        os.rename(checkpoint, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return info
-
-
-def metrics_path(checkpoint: Path) -> Path:
-    """RUN/metrics.jsonl of the run that wrote RUN/checkpoints/step-N."""
-    return RunDir(checkpoint.parents[1]).metrics
-
-
-def _run_sft(
-    recipe: Path,
-    fileroot: Path,
-    seed: int,
-    overrides: tuple[str, ...],
-    progress: Callable[[int, int], None] | None = None,
-):
-    """Run `areal train RECIPE` as a child process, telling `progress` its steps (the
-    lines of its metrics.jsonl) twice a second; returns its final checkpoint folder and
-    its metrics. A failure raises with the tail of the run's output."""
-    import time
-
-    import yaml
-
-    from areal_cli.rundir.process import die_with_parent
-
-    total = int(yaml.safe_load(recipe.read_text())["total_train_steps"])
-    for item in overrides:
-        if item.startswith("total_train_steps="):
-            total = int(item.split("=", 1)[1])
-    argv = [
-        sys.executable,
-        "-m",
-        "areal_cli.cli",
-        "train",
-        str(recipe),
-        f"cluster.fileroot={fileroot}",
-        f"seed={seed}",
-        f"model.seed={seed}",
-        "logging.display=plain",
-        *overrides,
-    ]
-    run_dir = fileroot / "tiny-sft" / "trial0"
-    output = fileroot.parent / "sft-output.log"
-    with open(output, "wb") as log:
-        child = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
-        )  # fmt: skip
-        try:
-            while child.poll() is None:
-                if progress is not None:
-                    progress(_lines(RunDir(run_dir).metrics), total)
-                time.sleep(0.5)
-        finally:
-            if child.poll() is None:  # interrupted: the run goes with its parent
-                child.kill()
-                child.wait()
-    found = [e.path for e in handoff.list_entries(RunDir(run_dir).checkpoints, STEP_PREFIX)]
-    if child.returncode != 0 or not found:
-        tail = "\n".join(output.read_text(errors="replace").strip().splitlines()[-15:])
-        raise RuntimeError(
-            f"building builtin:tiny-arith failed: `areal train {recipe.name}` exited with "
-            f"{child.returncode}; the last lines of its output:\n{tail}"
-        )
-    if progress is not None:
-        progress(total, total)
-    lines = metrics_path(found[-1]).read_text().splitlines()
-    return found[-1], [json.loads(line) for line in lines if line]
-
-
-def _lines(path: Path) -> int:
-    """How many complete lines a file holds (0 when it is missing)."""
-    try:
-        return path.read_bytes().count(b"\n")
-    except OSError:
-        return 0

@@ -97,11 +97,10 @@ def test_two_models_with_one_folder_name_keep_their_own_results(tmp_path: Path) 
     its own OUT and its own accuracy; neither OUT accepts the other's samples."""
     import shutil
 
-    from areal_cli.models.builtin import build_cached
-    from areal_cli.rollout.rewards import numeric
+    from areal_cli.launch import builtins
 
-    warmed = shutil.copytree(build_cached("tiny-arith", 1, numeric), tmp_path / "a" / "v24")
-    noise = shutil.copytree(build_cached("tiny", 1), tmp_path / "b" / "v24")
+    warmed = shutil.copytree(builtins.cached("tiny-arith", 1), tmp_path / "a" / "v24")
+    noise = shutil.copytree(builtins.cached("tiny", 1), tmp_path / "b" / "v24")
     first = _eval_default_out(tmp_path, "--checkpoint", str(warmed))
     second = _eval_default_out(tmp_path, "--checkpoint", str(noise))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
@@ -126,15 +125,14 @@ def test_two_models_with_one_folder_name_keep_their_own_results(tmp_path: Path) 
 
 def test_eval_output_goes_to_the_evaluated_run(tmp_path: Path) -> None:
     """--checkpoint RUN writes under RUN/eval; the initial model's eval creates no run."""
-    from areal_cli.models.builtin import build_cached
-    from areal_cli.rollout.rewards import numeric
+    from areal_cli.launch import builtins
     from areal_cli.rundir import handoff
 
     run = tmp_path / "runs" / "tiny-cpu" / "demo-x"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("experiment_name: tiny-cpu\n")
     (run / "plan.json").write_text("{}")
-    model = build_cached("tiny-arith", 1, numeric)
+    model = builtins.cached("tiny-arith", 1)
     handoff.write_entry(
         run / "weights", "v3", 3, lambda d: [handoff.link_or_copy(p, d) for p in model.iterdir()]
     )

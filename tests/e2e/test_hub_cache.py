@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.models.builtin import materialize
-from areal_cli.rollout.rewards import numeric
+from areal_cli.launch import builtins
 from tests.conftest import REPO, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,7 +24,7 @@ OLDER = "ffffffffffffffffffffffffffffffffffffffff"  # sorts last, but refs/main 
 
 def _hub_cache(tmp_path: Path) -> tuple[Path, Path]:
     """HF_HOME with the tiny demo model laid out as the Hub cache stores it."""
-    model = materialize("tiny-arith", 1, tmp_path / "built", numeric)
+    model = builtins.materialize("tiny-arith", 1, tmp_path / "built")
     hf_home = tmp_path / "hf"
     repo = hf_home / "hub" / f"models--{REPO_ID.replace('/', '--')}"
     snapshot = repo / "snapshots" / MAIN

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.models.builtin import build_cached
-from areal_cli.rollout.rewards import numeric
+from areal_cli.launch import builtins
 from tests.conftest import REPO, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,7 +26,7 @@ def test_train_and_eval_write_only_the_run_and_the_cache(tmp_path: Path) -> None
     home, cache, tmp, runs = (tmp_path / d for d in ("home", "cache", "tmp", "runs"))
     for folder in (home, cache / "models", tmp):
         folder.mkdir(parents=True)
-    built = build_cached("tiny-arith", 1, numeric)  # reuse the build: only the place matters
+    built = builtins.cached("tiny-arith", 1)  # reuse the build: only the place matters
     shutil.copytree(built, cache / "models" / built.name)
     env = {
         k: v

@@ -210,3 +210,15 @@ def test_only_the_run_directory_package_spells_its_names() -> None:
             if isinstance(node, ast.Constant) and node.value in FILE_NAMES:
                 wrong.append(f"{rel}:{node.lineno} spells {node.value!r}")
     assert not wrong, "use areal_cli.rundir.paths.RunDir:\n" + "\n".join(wrong)
+
+
+def test_only_the_top_layers_start_the_cli() -> None:
+    """A child `python -m areal_cli.cli` re-enters the top layer, out of the import
+    test's sight: only launch and above may start one (models/ once did, for a build)."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        own = _package(".".join(rel.parts)) or rel.parts[-1]
+        if LAYERS.get(own, 0) < LAYERS["launch"] and '"areal_cli.cli"' in path.read_text():
+            wrong.append(str(rel))
+    assert not wrong, wrong
