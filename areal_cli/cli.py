@@ -17,6 +17,7 @@ import typer
 if TYPE_CHECKING:
     from areal_cli.config.checker import CheckResult
     from areal_cli.config.loader import LoadedConfig
+    from areal_cli.inference.backends import InferenceBackend
 
 app = typer.Typer(
     name="areal",
@@ -265,52 +266,53 @@ def serve(
     ),
 ) -> None:
     """Run one inference server in the foreground; Ctrl-C stops it."""
-    from areal_cli.inference.argv import server_argv, server_env
+    from areal_cli.inference.backends import ServeOptions
     from areal_cli.inference.guards import port_free
     from areal_cli.models.builtin import cache_dir
 
-    _check_serve_flags(backend, host, api_key, insecure_no_api_key, bool(weight_root), python)
+    server = _serve_backend(backend, host, api_key, insecure_no_api_key, bool(weight_root), python)
 
     path = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
+    options = ServeOptions(
+        path,
+        host=host,
+        port=port,
+        api_key=api_key,
+        dtype=dtype,
+        tp=tp,
+        weight_roots=tuple(str(r.expanduser().resolve()) for r in weight_root),
+        insecure_no_api_key=insecure_no_api_key,
+    )
     try:
-        argv = server_argv(
-            backend,
-            path,
-            host=host,
-            port=port,
-            api_key=api_key,
-            dtype=dtype,
-            tp=tp,
-            python=python,
-            weight_roots=tuple(str(r.expanduser().resolve()) for r in weight_root),
-            insecure_no_api_key=insecure_no_api_key,
-        )
+        argv = server.serve_argv(options, python)
     except ValueError as exc:
         _die(str(exc))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     if not port_free(host, port):
         _die(f"port {port} on {host} is already in use")
     log = (log or cache_dir() / "logs" / f"serve-{port}.log").expanduser()
-    _run_in_foreground(argv, url, log, api_key, startup_timeout, server_env(backend, api_key))
+    _run_in_foreground(argv, url, log, api_key, startup_timeout, server.serve_env(api_key))
 
 
-def _check_serve_flags(
+def _serve_backend(
     backend: str, host: str, api_key: str, insecure: bool, weight_roots: bool, python: str
-) -> None:
-    """`areal serve`'s flags that cannot work together, or a backend that is not there."""
-    from areal_cli.config.backends import backend_missing
-    from areal_cli.inference.argv import BACKENDS
+) -> InferenceBackend:
+    """The backend `areal serve` runs; exits on flags that cannot work together, or a
+    backend that is not there."""
+    from areal_cli.inference.backends import BACKENDS
     from areal_cli.inference.guards import bind_problem
 
     if backend not in BACKENDS:
         _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    server = BACKENDS[backend]
     refused = bind_problem(host, api_key, insecure)
     if refused:
         _die(refused)
-    if backend != "embedded" and (weight_roots or insecure):
-        _die("--weight-root and --insecure-no-api-key are flags of the embedded server")
-    if missing := backend_missing(backend, python):
+    if refused := server.serve_flag_problem(weight_roots, insecure):
+        _die(refused)
+    if missing := server.missing(python):
         _die(missing)
+    return server
 
 
 def _die(message: str) -> NoReturn:

@@ -19,7 +19,7 @@ its length):
       (left out with --no-hf);
   (c) vLLM, when its interpreter is there (--vllm-python, default .venv-vllm/bin/python
       from `make vllm`; '' leaves it out): its real OpenAI server with the command line
-      and environment `areal train` gives it (argv.server_argv / vllm_env; eager mode),
+      and environment `areal train` gives it (backends.vllm: serve_argv / vllm_env; eager mode),
       --max-num-seqs = --max-running-requests, the same requests through the same client
       (backend vllm), after the embedded server has stopped. Its OpenMP threads: by default vLLM's own choice (on a 2-core
       machine one core for the model, the other left to its API server process), or
@@ -188,10 +188,12 @@ def start(model: Path, args: argparse.Namespace, log: Path, dtype: str) -> Serve
 
 def start_vllm(model: Path, args: argparse.Namespace, log: Path, dtype: str) -> ServerProcess:
     from areal_cli.config.schema import ExperimentConfig
-    from areal_cli.inference.argv import server_argv, vllm_env
+    from areal_cli.inference.backends import BACKENDS, ServeOptions
+    from areal_cli.inference.backends.vllm import vllm_env
 
     port = free_port()
-    argv = server_argv("vllm", str(model), port=port, dtype=dtype, python=args.vllm_python)
+    options = ServeOptions(str(model), port=port, dtype=dtype)
+    argv = BACKENDS["vllm"].serve_argv(options, args.vllm_python)
     argv += ["--max-num-seqs", str(args.max_running_requests), "--max-model-len", "1024"]
     cores = list(range(args.threads)) if args.vllm_bind == "threads" else []
     env = {**vllm_env(ExperimentConfig(), "cpu", cores), "OMP_NUM_THREADS": "1"}

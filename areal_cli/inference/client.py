@@ -1,8 +1,10 @@
 """One async client for a fleet of inference servers that speak SGLang's native HTTP API.
 
-SGLang and the embedded server (`areal_cli.inference.server`) answer the same routes, so
-one client serves both backends. With `backend="vllm"` the same calls go to vLLM's routes
-and its answers come back in SGLang's shape (`vllm_api`), so the rollout does not change.
+Every call is SGLang's (token ids in; token ids, logprobs and weight versions out), and
+the backend object (`inference.backends`, looked up by the name given as `backend`) maps
+it onto its server's routes and its answers back: SGLang and the embedded server answer
+those routes themselves, vLLM in its own words. A weight update is the backend's sequence
+of calls. So one client serves every backend, and the rollout does not change.
 
 Routing: `generate` goes to one server, picked round-robin or least-loaded (fewest
 requests this client has in flight there, ties broken round-robin). Control calls
@@ -40,7 +42,8 @@ from typing import Any, Literal
 
 import aiohttp
 
-from areal_cli.inference import vllm_api
+from areal_cli.inference.backends import backend_for
+from areal_cli.inference.backends.base import WENT_DOWN, NoAnswer, accepted, error_message
 
 Policy = Literal["round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("round_robin", "least_loaded")
@@ -71,17 +74,6 @@ class WeightUpdateFailed(InferenceError):
     """A server refused `/update_weights_from_disk` (it answered success: false)."""
 
 
-class _Retryable(Exception):
-    """One failed attempt that may succeed on a retry; `reason` is for the final message."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-_WENT_DOWN = object()  # what _call_on returns for a server taken down during the call
-
-
 @dataclass
 class _Server:
     address: str
@@ -93,9 +85,23 @@ class _Server:
     epoch: int = 0  # how many times it was taken down
 
 
-def _accepted(answer: Any) -> bool:
-    """Whether a server's answer to /update_weights_from_disk says it loaded them."""
-    return isinstance(answer, dict) and bool(answer.get("success"))
+class _Link:
+    """One server as a backend reaches it (backends.base.Link): the client's calls, and
+    whether the server was taken down since the link was made."""
+
+    def __init__(self, client: InferenceClient, server: _Server) -> None:
+        self._client = client
+        self._server = server
+        self._epoch = server.epoch
+
+    async def call(self, path: str, body: dict[str, Any] | None, accept_4xx: bool = False) -> Any:
+        return await self._client._call_on(self._server, path, body, accept_4xx)
+
+    async def post_once(self, path: str, body: dict[str, Any]) -> Any:
+        return await self._client._attempt(self._server, "POST", path, body, accept_4xx=True)
+
+    def went_down(self) -> bool:
+        return self._server.epoch != self._epoch
 
 
 def _reason(exc: BaseException, timeout_s: float) -> str:
@@ -109,17 +115,6 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the connection was closed before an answer"
     return f"{type(exc).__name__}: {exc}"
-
-
-def _error_message(body: Any) -> str:
-    """The message of an error body in SGLang's or OpenAI's shape, else the raw body."""
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
-    return str(body)[:500]
 
 
 class InferenceClient:
@@ -153,7 +148,7 @@ class InferenceClient:
         self.retries = retries
         self.policy = policy
         self.backoff_s = backoff_s
-        self.vllm = backend == "vllm"  # else SGLang's routes (SGLang and embedded)
+        self.backend = backend_for(backend)  # its routes and weight-update sequence
         self.served_model = served_model  # the identity its servers must show ('' : any)
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
@@ -193,23 +188,12 @@ class InferenceClient:
         rid: str | None = None,
     ) -> dict[str, Any]:
         """One /generate request on one server; returns SGLang's response dict."""
-        if self.vllm:  # the same request in vLLM's words
-            body = vllm_api.generate_body(input_ids, sampling_params, return_logprob, rid)
-        else:
-            body = {
-                "input_ids": list(input_ids),
-                "sampling_params": dict(sampling_params),
-                "return_logprob": return_logprob,
-            }
-            if rid is not None:
-                body["rid"] = rid
+        path, body = self.backend.generate_request(input_ids, sampling_params, return_logprob, rid)
         if self._in_flight == 0:
             self._busy_since = time.monotonic()
         self._in_flight += 1
         try:
-            answer = await self._call_one(vllm_api.GENERATE if self.vllm else "/generate", body)
-            if self.vllm:
-                answer = vllm_api.sglang_answer(answer)
+            answer = self.backend.generate_answer(await self._call_one(path, body))
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -222,19 +206,13 @@ class InferenceClient:
     ) -> list[dict[str, Any]]:
         """Load `model_path` on every server; raise `WeightUpdateFailed` naming any server
         that refused it. Returns each server's answer, in address order."""
-        body: dict[str, Any] = {"model_path": str(model_path)}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if self.vllm:
-            version = str(weight_version if weight_version is not None else 0)
-            pairs = await self._on_live(lambda s: self._vllm_load(s, str(model_path), version))
-        else:
-            pairs = await self._call_live("/update_weights_from_disk", body, accept_4xx=True)
+        version = None if weight_version is None else str(weight_version)
+        pairs = await self._on_live(lambda s: self._load_on(s, str(model_path), version))
         answers = [answer for _, answer in pairs]
         refused = [
-            f"{server.address}: {_error_message(answer)}"
+            f"{server.address}: {error_message(answer)}"
             for server, answer in pairs
-            if not _accepted(answer)
+            if not accepted(answer)
         ]
         if refused:
             raise WeightUpdateFailed(
@@ -249,64 +227,20 @@ class InferenceClient:
         """Load `model_path` on one server (a restarted one, still down) and return its
         /model_info; raise `WeightUpdateFailed` when it refuses."""
         server = self._server(address)
-        body = {"model_path": str(model_path), "weight_version": str(weight_version)}
-        if self.vllm:
-            answer = await self._vllm_load(server, str(model_path), str(weight_version))
-        else:
-            answer = await self._call_on(server, "/update_weights_from_disk", body, accept_4xx=True)
-        if not _accepted(answer):
+        answer = await self._load_on(server, str(model_path), str(weight_version))
+        if not accepted(answer):
             raise WeightUpdateFailed(
-                f"server {address} refused weights from {model_path}: {_error_message(answer)}"
+                f"server {address} refused weights from {model_path}: {error_message(answer)}"
             )
         return await self._model_info_on(server)
 
+    async def _load_on(self, server: _Server, model_path: str, version: str | None) -> Any:
+        """The backend's weight update on one server: its answer in
+        /update_weights_from_disk's shape, or WENT_DOWN."""
+        return await self.backend.load_weights(_Link(self, server), model_path, version)
+
     async def _model_info_on(self, server: _Server) -> Any:
-        if not self.vllm:
-            return await self._call_on(server, "/model_info", None)
-        info = await self._call_on(server, vllm_api.WEIGHT_INFO, None)
-        return vllm_api.info_answer(info) if isinstance(info, dict) else info
-
-    async def _vllm_load(self, server: _Server, model_path: str, version: str) -> Any:
-        """vLLM's weight update on one server (vllm_api's module docstring): the answer
-        in /update_weights_from_disk's shape, or _WENT_DOWN. The server is paused with
-        its requests kept around the load and always resumed after it."""
-        refused = vllm_api.folder_problem(model_path)
-        if refused:
-            return {"success": False, "message": refused}
-        epoch = server.epoch
-        failed = await self._vllm_steps(server, [(vllm_api.PAUSE_KEEP, {})], epoch)
-        if failed is None:
-            try:
-                failed = await self._vllm_steps(
-                    server, vllm_api.weight_update(model_path, version), epoch
-                )
-            finally:
-                resumed = await self._vllm_steps(server, [(vllm_api.RESUME, {})], epoch)
-            failed = failed or resumed
-        if failed is not None:
-            return failed
-        info = await self._model_info_on(server)
-        return _WENT_DOWN if info is _WENT_DOWN else {"success": True, **info}
-
-    async def _vllm_steps(
-        self, server: _Server, steps: list[tuple[str, dict[str, Any]]], epoch: int
-    ) -> Any:
-        """POST each (path, body) once, in order (a refused folder fails the same way
-        every time); None when all succeeded, else the failure in
-        /update_weights_from_disk's shape, or _WENT_DOWN."""
-        for path, body in steps:
-            try:
-                answer = await self._attempt(server, "POST", path, body, accept_4xx=True)
-                if path == vllm_api.RESET_CACHE and not _accepted(answer):
-                    path = vllm_api.RESET_CACHE_AND_RESTART
-                    answer = await self._attempt(server, "POST", path, body, accept_4xx=True)
-            except _Retryable as exc:
-                if server.epoch != epoch:
-                    return _WENT_DOWN
-                return {"success": False, "message": f"{path}: {exc.reason}"}
-            if isinstance(answer, dict) and ("error" in answer or answer.get("success") is False):
-                return {"success": False, "message": f"{path}: {_error_message(answer)}"}
-        return None
+        return await self.backend.model_info(_Link(self, server))
 
     def set_down(self, address: str) -> None:
         """Take a server out of routing while it restarts (see the module docstring)."""
@@ -343,19 +277,15 @@ class InferenceClient:
 
     async def pause_generation(self, mode: str = "abort") -> list[dict[str, Any]]:
         """Pause every server ("abort", "in_place" or "retract", as in SGLang)."""
-        if self.vllm:
-            return await self._call_all(vllm_api.pause_path(mode), {})
-        return await self._call_all("/pause_generation", {"mode": mode})
+        return await self._call_all(*self.backend.pause_request(mode))
 
     async def continue_generation(self) -> list[dict[str, Any]]:
         """Resume every server after `pause_generation`."""
-        return await self._call_all(vllm_api.RESUME if self.vllm else "/continue_generation", {})
+        return await self._call_all(*self.backend.resume_request())
 
     async def abort_all(self) -> list[dict[str, Any]]:
         """Abort every in-flight request on every server."""
-        if self.vllm:
-            return await self._call_all(vllm_api.ABORT_ALL, {})
-        return await self._call_all("/abort_request", {"abort_all": True})
+        return await self._call_all(*self.backend.abort_request())
 
     def activity(self) -> list[tuple[str, dict[str, int], float]]:
         """(address, calls in flight by path, wall time one was last answered) of every
@@ -398,22 +328,19 @@ class InferenceClient:
         if not self.served_model:
             return
         server = self._server(address)
+        route = self.backend.models_path
         try:
-            answer = await self._attempt(server, "GET", "/v1/models", None, accept_4xx=True)
-        except _Retryable as exc:
-            raise self._unavailable("/v1/models", {server.address: exc.reason}) from None
-        names = [
-            str(card.get("id"))
-            for card in (answer.get("data") or [] if isinstance(answer, dict) else [])
-            if isinstance(card, dict)
-        ]
+            answer = await self._attempt(server, "GET", route, None, accept_4xx=True)
+        except NoAnswer as exc:
+            raise self._unavailable(route, {server.address: exc.reason}) from None
+        names = self.backend.served_models(answer)
         if self.served_model in names:
             return
         port = server.address.rsplit(":", 1)[-1]
         seen = (
             f"it serves {', '.join(repr(n) for n in names)}"
             if names
-            else f"it answered /v1/models with {_error_message(answer)!r}"
+            else f"it answered {route} with {error_message(answer)!r}"
         )
         raise ForeignServer(
             f"the server at {server.address} is not this run's ({seen}; this run's serve "
@@ -447,7 +374,7 @@ class InferenceClient:
             server.inflight += 1
             try:
                 return await self._attempt(server, "POST", path, body)
-            except _Retryable as exc:
+            except NoAnswer as exc:
                 reason = exc.reason
             finally:
                 server.inflight -= 1
@@ -462,26 +389,21 @@ class InferenceClient:
             attempt += 1
 
     async def _call_all(self, path: str, body: dict[str, Any] | None, **kw: Any) -> list[Any]:
-        """The answers of `_call_live`."""
-        return [answer for _, answer in await self._call_live(path, body, **kw)]
-
-    async def _call_live(
-        self, path: str, body: dict[str, Any] | None, **kw: Any
-    ) -> list[tuple[_Server, Any]]:
-        """The same call on every server that is up (each with its own retries); see
-        `_on_live`."""
-        return await self._on_live(lambda s: self._call_on(s, path, body, **kw))
+        """The same call on every server that is up (each with its own retries): the
+        answers, in address order; see `_on_live`."""
+        pairs = await self._on_live(lambda s: self._call_on(s, path, body, **kw))
+        return [answer for _, answer in pairs]
 
     async def _on_live(self, call: Callable[[_Server], Any]) -> list[tuple[_Server, Any]]:
         """`call(server)` on every server that is up, in address order, with each answer;
-        a server that goes down meanwhile (_WENT_DOWN) is left out. Every call finishes
+        a server that goes down meanwhile (WENT_DOWN) is left out. Every call finishes
         before the first error is raised, so no call is left running."""
         live = self._live()
         results = await asyncio.gather(*(call(s) for s in live), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return [(s, r) for s, r in zip(live, results, strict=True) if r is not _WENT_DOWN]
+        return [(s, r) for s, r in zip(live, results, strict=True) if r is not WENT_DOWN]
 
     async def _call_on(
         self, server: _Server, path: str, body: dict[str, Any] | None, accept_4xx: bool = False
@@ -492,10 +414,10 @@ class InferenceClient:
         for attempt in range(self.retries + 1):
             try:
                 return await self._attempt(server, method, path, body, accept_4xx)
-            except _Retryable as exc:
+            except NoAnswer as exc:
                 reason = exc.reason
             if server.epoch != epoch:  # it died and restarts (see set_down)
-                return _WENT_DOWN
+                return WENT_DOWN
             if attempt < self.retries:
                 await self._backoff(attempt)
         raise self._unavailable(path, {server.address: reason})
@@ -515,16 +437,16 @@ class InferenceClient:
             async with self._http().request(method, url, json=body) as resp:
                 payload = await self._payload(resp)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise _Retryable(_reason(exc, self.timeout_s)) from exc
+            raise NoAnswer(_reason(exc, self.timeout_s)) from exc
         finally:
             server.pending[path] -= 1
         server.last_done = time.time()
         if resp.status >= 500:
-            raise _Retryable(f"HTTP {resp.status}: {_error_message(payload)}")
+            raise NoAnswer(f"HTTP {resp.status}: {error_message(payload)}")
         if resp.status >= 400 and not accept_4xx:
             raise RequestRejected(
                 f"server {server.address} rejected {path} with HTTP {resp.status}: "
-                f"{_error_message(payload)}",
+                f"{error_message(payload)}",
                 resp.status,
             )
         return payload
@@ -541,7 +463,8 @@ class InferenceClient:
     async def _healthy(self, server: _Server) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=min(5.0, self.timeout_s))
-            async with self._http().get(server.address + "/health", timeout=timeout) as resp:
+            url = server.address + self.backend.health_path
+            async with self._http().get(url, timeout=timeout) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False

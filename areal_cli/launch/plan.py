@@ -38,18 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.config.allocation import AllocationMode
-from areal_cli.config.backends import vllm_python
 from areal_cli.config.loader import REDACTED
 from areal_cli.config.resolve import on_loopback
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.inference.argv import (
-    VLLM_MODULE,
-    embedded_args,
-    server_env,
-    sglang_args,
-    vllm_args,
-    vllm_env,
-)
+from areal_cli.inference.backends import ServerSpec, backend_for
 from areal_cli.rundir.layout import initial_model_path, run_dir_of
 from areal_cli.rundir.paths import SUBDIRS, RunDir
 
@@ -312,30 +304,19 @@ def _server_process(
     port: int,
     served: str,
 ) -> ProcessSpec:
-    model = initial_model_path(cfg, run_dir)
-    host = "127.0.0.1" if on_loopback(cfg) else "0.0.0.0"
-    if mode.inference_backend == "sglang":
-        argv = [
-            python,
-            "-m",
-            "sglang.launch_server",
-            *sglang_args(cfg, mode, model, port, index, host=host, served_name=served),
-        ]
-    elif mode.inference_backend == "vllm":
-        python = vllm_python(cfg, python)
-        args = vllm_args(
-            cfg, mode, model, port, index, host=host, device_type=device_type, served_name=served
-        )
-        argv = [python, "-m", VLLM_MODULE, *args]
-    else:
-        argv = [
-            python,
-            "-m",
-            "areal_cli.inference.server",
-            *embedded_args(cfg, model, port, index, device_type, host=host, served_name=served),
-            # read each new weights/vN ahead, while the controller gets to its update call
-            *("--watch-weights", str(RunDir(run_dir).weights)),
-        ]
+    backend = backend_for(mode.inference_backend or "")
+    spec = ServerSpec(
+        model=initial_model_path(cfg, run_dir),
+        port=port,
+        index=index,
+        host="127.0.0.1" if on_loopback(cfg) else "0.0.0.0",
+        device_type=device_type,
+        served_name=served,
+        cpus=() if device_type == "cuda" else tuple(devices),
+        weights_dir=str(RunDir(run_dir).weights),
+    )
+    assert mode.inference is not None  # a plan has servers only for an inference side
+    argv = backend.run_argv(cfg, mode.inference, spec, python)
     env = dict(base_env)
     gpus: list[int] = []
     cpus: list[int] = []
@@ -346,13 +327,10 @@ def _server_process(
         cpus = devices
         env.update(_thread_env(len(devices)))
         env["CUDA_VISIBLE_DEVICES"] = ""
-    if mode.inference_backend == "vllm":
-        env.update(vllm_env(cfg, device_type, cpus))
-    else:
-        env.update(server_env(mode.inference_backend, cfg.inference.api_key))
+    env.update(backend.run_env(cfg, spec))
     return ProcessSpec(
         name=f"server-{index}",
-        role=f"inference ({mode.inference_backend})",
+        role=f"inference ({backend.name})",
         argv=argv,
         env=env,
         log=str(RunDir(run_dir).log(f"server-{index}")),

@@ -8,6 +8,7 @@ and 4xx is not. The last test kills one real server.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from areal_cli.inference.argv import server_argv
+from areal_cli.inference.backends import BACKENDS, ServeOptions
 from areal_cli.inference.client import (
     ForeignServer,
     InferenceClient,
@@ -48,7 +49,8 @@ def servers(
 
     def start(name: str) -> ServerProcess:
         port = free_port()
-        argv = server_argv("embedded", str(tiny_model_dir), port=port, weight_roots=roots)
+        options = ServeOptions(str(tiny_model_dir), port=port, weight_roots=roots)
+        argv = BACKENDS["embedded"].serve_argv(options, sys.executable)
         return start_server(argv, logs / f"{name}.log", f"http://127.0.0.1:{port}", timeout_s=120)
 
     with ThreadPoolExecutor(2) as pool:

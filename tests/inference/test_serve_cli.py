@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.config.backends import SGLANG_MISSING
-from areal_cli.inference.argv import server_argv
+from areal_cli.inference.backends import BACKENDS, ServeOptions
+from areal_cli.inference.backends.sglang import SGLANG_MISSING
 from areal_cli.launch.local import ServerStartError, start_server
 from tests.conftest import REPO, free_port, run_areal
 
@@ -148,20 +148,19 @@ def test_serve_is_listed_in_help() -> None:
 
 
 def test_server_argv_builds_real_flags() -> None:
-    argv = server_argv(
-        "sglang", "/m", host="0.0.0.0", port=31000, api_key="k", dtype="float16", tp=2, python="py"
-    )
+    options = ServeOptions("/m", host="0.0.0.0", port=31000, api_key="k", dtype="float16", tp=2)
+    argv = BACKENDS["sglang"].serve_argv(options, "py")
     assert argv[:3] == ["py", "-m", "sglang.launch_server"]
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))
     assert flags["--model-path"] == "/m" and flags["--host"] == "0.0.0.0"
     assert flags["--port"] == "31000" and flags["--tp-size"] == "2"
     assert flags["--dtype"] == "float16" and flags["--api-key"] == "k"
-    argv = server_argv("embedded", "/m", port=31001, python="py")
+    argv = BACKENDS["embedded"].serve_argv(ServeOptions("/m", port=31001), "py")
     assert argv[:3] == ["py", "-m", "areal_cli.inference.server"]
     assert argv[argv.index("--port") + 1] == "31001" and "--api-key" not in argv
     assert argv[argv.index("--dtype") + 1] == "float32"
     with pytest.raises(ValueError, match="one device"):
-        server_argv("embedded", "/m", tp=2)
+        BACKENDS["embedded"].serve_argv(ServeOptions("/m", tp=2), "py")
 
 
 def test_start_failure_quotes_the_log(tmp_path: Path) -> None:

@@ -20,8 +20,14 @@ import pytest
 
 from areal_cli.config.allocation import parse_allocation
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.inference import vllm_api
-from areal_cli.inference.argv import VLLM_MODULE, server_argv, vllm_args, vllm_env
+from areal_cli.inference.backends import BACKENDS, ServeOptions
+from areal_cli.inference.backends.vllm import (
+    VLLM,
+    sampling_params,
+    sglang_answer,
+    vllm_args,
+    vllm_env,
+)
 from areal_cli.inference.client import InferenceClient, WeightUpdateFailed
 from tests.conftest import REPO, run_areal
 
@@ -69,7 +75,7 @@ ANSWER = {
 
 
 def test_answer_in_sglang_shape() -> None:
-    out = vllm_api.sglang_answer(ANSWER)
+    out = sglang_answer(ANSWER)
     assert out["output_ids"] == [28, 2] and out["text"] == "7"
     meta = out["meta_info"]
     assert meta["output_token_logprobs"] == [[-2.75, 28, None], [-0.5, 2, None]]
@@ -84,23 +90,23 @@ def test_answer_in_sglang_shape() -> None:
 
 def test_sampling_params_in_vllm_names() -> None:
     params = {"temperature": 1.0, "top_k": -1, "max_new_tokens": 4, "sampling_seed": 3}
-    assert vllm_api.sampling_params(params, return_logprob=True) == {
+    assert sampling_params(params, return_logprob=True) == {
         "temperature": 1.0,
         "top_k": 0,
         "max_tokens": 4,
         "seed": 3,
         "logprobs": 0,
     }
-    assert vllm_api.pause_path("retract") == "/pause?mode=keep"
+    assert BACKENDS["vllm"].pause_request("retract") == ("/pause?mode=keep", {})
     with pytest.raises(ValueError, match="pause mode"):
-        vllm_api.pause_path("later")
+        BACKENDS["vllm"].pause_request("later")
 
 
 def test_command_line_and_environment() -> None:
     cfg = ExperimentConfig()
     cfg.inference.api_key = "k"
     mode = parse_allocation("vllm:d1t2+fsdp:d2")
-    args = vllm_args(cfg, mode, "/m", 8000, 1)
+    args = vllm_args(cfg, mode.inference, "/m", 8000, 1)
     assert args[:6] == ["--model", "/m", "--host", "127.0.0.1", "--port", "8000"]
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert args[args.index("--seed") + 1] == str(cfg.seed + 1)
@@ -109,8 +115,8 @@ def test_command_line_and_environment() -> None:
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     assert "VLLM_HOST_IP" not in vllm_env(cfg, "cuda", [0])
-    argv = server_argv("vllm", "/m", dtype="bfloat16", python="py")
-    assert argv[:3] == ["py", "-m", VLLM_MODULE] and "bfloat16" in argv
+    argv = BACKENDS["vllm"].serve_argv(ServeOptions("/m", dtype="bfloat16"), "py")
+    assert argv[:3] == ["py", "-m", VLLM.module] and "bfloat16" in argv
 
 
 def test_missing_vllm_is_one_line_before_launch(tmp_path: Path) -> None:
@@ -152,7 +158,7 @@ def test_vllm_own_parser_takes_our_command_line() -> None:
     cfg.inference.api_key = "k"
     cfg.inference.vllm.max_model_len = 256
     cfg.inference.vllm.max_num_seqs = 8
-    args = vllm_args(cfg, parse_allocation("vllm:d1+fsdp:d1"), "/m", 8123, 0)
+    args = vllm_args(cfg, parse_allocation("vllm:d1+fsdp:d1").inference, "/m", 8123, 0)
     out = subprocess.run(
         [VLLM_PYTHON, "-c", PARSE, *args], capture_output=True, text=True, timeout=120
     )
@@ -172,7 +178,8 @@ def vllm_server(request: Any, tmp_path_factory: pytest.TempPathFactory, tiny_mod
 
     port = _port()
     dtype = request.param
-    argv = server_argv("vllm", str(tiny_model_dir), port=port, dtype=dtype, python=VLLM_PYTHON)
+    options = ServeOptions(str(tiny_model_dir), port=port, dtype=dtype)
+    argv = BACKENDS["vllm"].serve_argv(options, VLLM_PYTHON)
     argv += ["--max-model-len", "1024"]
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     cfg = ExperimentConfig()

@@ -8,7 +8,7 @@ import pytest
 
 from areal_cli.config.loader import load_config
 from areal_cli.config.rules import check_config
-from areal_cli.inference.argv import sglang_args
+from areal_cli.inference.backends.sglang import sglang_args
 from areal_cli.launch.plan import Ports, build_plan, pick_ports, served_name
 from tests.conftest import REPO
 
@@ -146,7 +146,7 @@ def test_sglang_flags_are_accepted_by_sglang_parser() -> None:
         "inference.sglang.attention_backend=fa3",
         "inference.api_key=sekret",
     )
-    args = sglang_args(cfg, mode, "/m", 30000, 0)
+    args = sglang_args(cfg, mode.inference, "/m", 30000, 0)
     i = 0
     while i < len(args):
         flag = args[i]
