@@ -58,6 +58,7 @@ def _load_and_check(
     from areal_cli.config.loader import load_config
     from areal_cli.config.resolve import resolve
     from areal_cli.config.rules import check_config
+    from areal_cli.inference.backends import backend_for
 
     invalid: frozenset[str] = frozenset()
     try:
@@ -71,7 +72,9 @@ def _load_and_check(
     resolved = resolve(loaded, launch=launch)
     loaded = resolved.loaded
     # Cross-field checks run too, except those that read a key reported above.
-    result = check_config(loaded, command=command, launch=launch, invalid=invalid)
+    result = check_config(
+        loaded, command=command, launch=launch, invalid=invalid, backends=backend_for
+    )
     for warning in result.warnings:
         typer.echo(f"warning: {warning.format()}", err=True)
     if problems or result.problems:

@@ -5,6 +5,7 @@ found invalid, and reports problems and warnings with the file and line of their
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.errors import ConfigProblem
@@ -46,3 +47,9 @@ class Checker:
 
     def warn(self, key: str, message: str, fix: str = "") -> None:
         self.result.warnings.append(ConfigProblem(key, message, fix, self.loaded.where(key)))
+
+
+class BackendRules(Protocol):
+    """An inference backend's own rules of a recipe (inference.backends.InferenceBackend)."""
+
+    def check(self, c: Checker, launch: bool) -> None: ...

@@ -8,19 +8,22 @@ invalid is skipped, so each independent problem is reported once. Static rules
 and datasets present on this machine), so a dry run of a GPU recipe works on a laptop.
 
 Each module holds the rules of one part of the recipe, and every rule writes into the
-public `Checker` (config.checker):
+public `Checker` (config.checker). What an inference backend needs beyond the allocation
+(vLLM's interpreter) is that backend's own rule (inference.backends: `check`), which the
+caller passes in as `backends`, since config sits below inference:
   allocation  the allocation string (parsed here, once), devices, ports, batch, t/c
   paths       the model, its tokenizer and the datasets on this machine
   rl          rollout, staleness, reward and workflow functions, eval, weight update
   roles       the sections and keys of each algorithm; the reward model and the critic
   launcher    several nodes; Slurm's options
   run_dir     the run's names and a writable fileroot
-  backends    what an inference backend needs beyond the allocation (vLLM's interpreter)
 """
 
 from __future__ import annotations
 
-from areal_cli.config.checker import Checker, CheckResult
+from collections.abc import Callable
+
+from areal_cli.config.checker import BackendRules, Checker, CheckResult
 from areal_cli.config.errors import ConfigErrors
 from areal_cli.config.loader import LoadedConfig
 from areal_cli.config.rules.allocation import (
@@ -30,7 +33,6 @@ from areal_cli.config.rules.allocation import (
     check_ports,
     check_tensor_parallel,
 )
-from areal_cli.config.rules.backends import check_vllm
 from areal_cli.config.rules.launcher import check_slurm
 from areal_cli.config.rules.paths import check_dataset, check_model
 from areal_cli.config.rules.rl import check_planned, check_rl
@@ -52,9 +54,11 @@ def check_config(
     command: str = "train",
     launch: bool = False,
     invalid: frozenset[str] = frozenset(),
+    backends: Callable[[str], BackendRules] | None = None,
 ) -> CheckResult:
     """Run every cross-field rule; `command` is train, eval or validate. Rules that read a
-    key in `invalid` (already reported by the loader) are skipped."""
+    key in `invalid` (already reported by the loader) are skipped. `backends(name)` gives
+    the inference backend's own rules (areal_cli.inference.backends.backend_for)."""
     c = Checker(loaded, invalid)
     check_names(c)
     supervised = c.cfg.algorithm in SUPERVISED and command != "eval"
@@ -64,8 +68,8 @@ def check_config(
     mode = check_allocation(c, command, supervised) if c.valid("allocation_mode") else None
     c.result.allocation = mode
     if mode is not None:
-        if mode.inference_backend == "vllm" and c.valid("inference.vllm.python"):
-            check_vllm(c, launch)
+        if backends is not None and mode.inference_backend is not None:
+            backends(mode.inference_backend).check(c, launch)
         check_devices(c, mode)
         check_ports(c, mode)
         if mode.train is not None and not supervised:

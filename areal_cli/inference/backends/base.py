@@ -20,10 +20,11 @@ from __future__ import annotations
 import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol
 
-from areal_cli.config.schema import DTYPES, ExperimentConfig, ParallelStrategy
+from areal_cli.config.checker import Checker
+from areal_cli.config.schema import DTYPES, ExperimentConfig, InferenceConfig, ParallelStrategy
 
 Route = tuple[str, dict[str, Any]]  # (path, JSON body) of one POST
 
@@ -143,6 +144,11 @@ class InferenceBackend(ABC):
         """Why `python` cannot run this backend's server ('' when it can)."""
         return ""
 
+    def check(self, c: Checker, launch: bool) -> None:
+        """This backend's rules of a recipe beyond the allocation's (config.rules runs
+        them through `check_config(..., backends=backend_for)`); none by default."""
+        return None
+
     # ------------------------------------------------------------ a run's server
 
     def run_argv(
@@ -174,13 +180,20 @@ class InferenceBackend(ABC):
             )
         if opts.tp < 1:
             raise ValueError("--tp must be at least 1")
-        cfg = ExperimentConfig()
-        cfg.inference.api_key = opts.api_key
-        return [python, "-m", self.module, *self.serve_args(cfg, opts)]
+        return [python, "-m", self.module, *self.serve_args(self.serve_config(opts), opts)]
+
+    def serve_config(self, opts: ServeOptions) -> ExperimentConfig:
+        """The default config with `areal serve`'s key and dtype (built so, never changed:
+        the section of each backend is named as the backend)."""
+        inference = InferenceConfig(api_key=opts.api_key)
+        if opts.dtype is not None:
+            section = replace(getattr(inference, self.name), dtype=opts.dtype)
+            inference = replace(inference, **{self.name: section})
+        return ExperimentConfig(inference=inference)
 
     @abstractmethod
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
-        """The flags of `areal serve`'s server; `cfg` is a default config with the key."""
+        """The flags of `areal serve`'s server; `cfg` is `serve_config(opts)`."""
 
     def serve_env(self, api_key: str) -> dict[str, str]:
         """The environment of `areal serve`'s server."""

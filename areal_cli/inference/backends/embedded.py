@@ -46,8 +46,6 @@ class Embedded(SGLangRoutes):
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
         if opts.tp != 1:
             raise ValueError("the embedded backend runs on one device; use --tp 1")
-        if opts.dtype is not None:
-            cfg.inference.embedded.dtype = opts.dtype
         # "auto" lets the server pick CUDA when present, without importing torch here.
         args = embedded_args(cfg, opts.model, opts.port, 0, "auto", host=opts.host)
         for root in opts.weight_roots:

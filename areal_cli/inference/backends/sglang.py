@@ -94,8 +94,6 @@ class SGLang(SGLangRoutes):
         )
 
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
-        if opts.dtype is not None:
-            cfg.inference.sglang.dtype = opts.dtype
         strategy = ParallelStrategy(tensor_parallel_size=opts.tp)
         return sglang_args(cfg, strategy, opts.model, opts.port, 0, host=opts.host)
 

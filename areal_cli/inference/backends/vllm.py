@@ -45,10 +45,12 @@ it went on generating; the update then lands that much later, never mislabelled.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+from areal_cli.config.checker import Checker
 from areal_cli.config.schema import DTYPES, ExperimentConfig, ParallelStrategy
 from areal_cli.inference.backends.base import (
     WENT_DOWN,
@@ -104,6 +106,23 @@ class VLLM(InferenceBackend):
     def missing(self, python: str) -> str:
         return "" if importable(python, "vllm") else VLLM_MISSING.format(python=python)
 
+    def check(self, c: Checker, launch: bool) -> None:
+        """vLLM runs in the interpreter inference.vllm.python names (or this one), which
+        must find the vllm package: an error before a launch, a warning for a plan (a GPU
+        recipe is planned on a laptop without vLLM, as with SGLang)."""
+        if c.valid("inference.vllm.python"):
+            missing = self.missing(self.interpreter(c.cfg, sys.executable))
+            if missing:
+                (c.error if launch else c.warn)("inference.vllm.python", missing)
+        launcher = c.cfg.launcher
+        if launcher.type == "slurm" or (launcher.type == "ray" and launcher.ray.address):
+            c.warn(
+                "allocation_mode",
+                "vLLM's weight-update routes (/collective_rpc, /update_weight_version) are "
+                "not behind --api-key, and on a cluster its servers listen on every interface",
+                "run it only on a network that only you reach",
+            )
+
     # ------------------------------------------------------------ command line
 
     def run_args(
@@ -124,8 +143,6 @@ class VLLM(InferenceBackend):
         return vllm_env(cfg, spec.device_type, list(spec.cpus))
 
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
-        if opts.dtype is not None:
-            cfg.inference.vllm.dtype = opts.dtype
         strategy = ParallelStrategy(tensor_parallel_size=opts.tp)
         return vllm_args(cfg, strategy, opts.model, opts.port, 0, host=opts.host)
 
