@@ -23,6 +23,10 @@ from areal_cli.trainer.state import Role, TrainerState
 from tests.conftest import write_jsonl
 from tests.gloo.conftest import make_batches
 
+# 14-25 s each on 2 shared cores (model builds, three steps, a recover save and load):
+# out of `make test-fast`.
+SLOW = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -107,6 +111,7 @@ def _same_weights(a: TrainerState, b: TrainerState) -> None:
         assert float((wa[k] - wb[k]).abs().max()) < 1e-6, k
 
 
+@SLOW
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_the_actor_learns_publishes_and_resumes(
     tmp_path: Path, model_dir: Path, one_rank: None, algorithm: str
@@ -137,6 +142,7 @@ def test_the_actor_learns_publishes_and_resumes(
     _same_weights(straight, resumed)
 
 
+@SLOW
 def test_sft_trains_on_answers_evaluates_and_resumes(
     tmp_path: Path, model_dir: Path, one_rank: None
 ) -> None:
@@ -156,6 +162,7 @@ def test_sft_trains_on_answers_evaluates_and_resumes(
     _same_weights(straight, resumed)
 
 
+@SLOW
 def test_the_reward_model_learns_pairs_and_resumes(
     tmp_path: Path, model_dir: Path, one_rank: None
 ) -> None:
@@ -175,3 +182,25 @@ def test_the_reward_model_learns_pairs_and_resumes(
     assert "eval_accuracy" in lines[1].figures  # the last step evaluates
     _same_step(lines[1], resumed_lines[-1], ("loss", "accuracy", "margin", "grad_norm"))
     _same_weights(straight, resumed)
+
+
+@pytest.mark.parametrize(
+    ("allocation", "dp", "cp", "tp"),
+    [("embedded:d1+fsdp:d2", 2, 1, 1), ("embedded:d1+fsdp:d2t2", 2, 1, 2)],
+)
+def test_the_trainer_takes_the_planned_layout_as_flags(
+    allocation: str, dp: int, cp: int, tp: int
+) -> None:
+    """The launcher passes the train side it parsed; the trainer reads the flags back."""
+    from areal_cli.trainer.main import parse_args, train_strategy
+    from tests.unit.test_plan import _plan
+
+    _, _, plan = _plan("tiny_cpu.yaml", f"allocation_mode={allocation}", "cluster.n_cpus=5")
+    argv = plan.processes[-1].argv
+    args = parse_args(argv[argv.index("areal_cli.trainer.main") + 1 :])
+    want = ParallelStrategy(
+        data_parallel_size=dp, context_parallel_size=cp, tensor_parallel_size=tp
+    )
+    assert train_strategy(args, dp * cp * tp) == want
+    alone = train_strategy(parse_args(["--config", "c.yaml"]), 3)  # no flags: all data parallel
+    assert alone == ParallelStrategy(data_parallel_size=3)
