@@ -23,10 +23,6 @@ from areal_cli.trainer.state import Role, TrainerState
 from tests.conftest import write_jsonl
 from tests.gloo.conftest import make_batches
 
-# 14-25 s each on 2 shared cores (model builds, three steps, a recover save and load):
-# out of `make test-fast`.
-SLOW = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -111,7 +107,6 @@ def _same_weights(a: TrainerState, b: TrainerState) -> None:
         assert float((wa[k] - wb[k]).abs().max()) < 1e-6, k
 
 
-@SLOW
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_the_actor_learns_publishes_and_resumes(
     tmp_path: Path, model_dir: Path, one_rank: None, algorithm: str
@@ -142,7 +137,6 @@ def test_the_actor_learns_publishes_and_resumes(
     _same_weights(straight, resumed)
 
 
-@SLOW
 def test_sft_trains_on_answers_evaluates_and_resumes(
     tmp_path: Path, model_dir: Path, one_rank: None
 ) -> None:
@@ -162,7 +156,6 @@ def test_sft_trains_on_answers_evaluates_and_resumes(
     _same_weights(straight, resumed)
 
 
-@SLOW
 def test_the_reward_model_learns_pairs_and_resumes(
     tmp_path: Path, model_dir: Path, one_rank: None
 ) -> None:
