@@ -90,12 +90,12 @@ def batch_of(prompts: list[list[int]], answers: list, group_size: int):
 def trainer(model_dir: Path, param_dtype: str, batch, args) -> tuple[float, torch.Tensor, dict]:
     """Median step time after one; before any step, the logprobs in label space (each
     position scores the next token) and the batch's tensors in that space."""
-    from areal_cli.config.schema import FSDPEngineConfig, TrainEngineConfig
+    from areal_cli.config.schema import FSDPEngineConfig, ParallelStrategy, TrainEngineConfig
     from areal_cli.trainer.mesh import build_mesh, step_layout
     from areal_cli.trainer.parallelize import build_sharded_model
     from areal_cli.trainer.step import forward_logprobs, train_step
 
-    tmesh = build_mesh("cpu", "embedded:d1+fsdp:d1")
+    tmesh = build_mesh("cpu", ParallelStrategy())
     fsdp = FSDPEngineConfig(param_dtype=param_dtype)
     model = build_sharded_model(model_dir, tmesh, fsdp)
     layout = step_layout(tmesh, model.get_output_embeddings().weight.shape[0])

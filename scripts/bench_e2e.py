@@ -61,7 +61,7 @@ def reference(recipe: Path, overrides: list[str], steps: int, threads: int) -> N
     from areal_cli.data.prompts import PromptStream, load_dataset_prompts
     from areal_cli.rollout.rewards import call_reward, resolve_reward
     from areal_cli.trainer.losses import compute_advantages, ppo_policy_loss
-    from areal_cli.trainer.main import build_optimizer
+    from areal_cli.trainer.state import build_optimizer
 
     torch.set_num_threads(threads)
     cfg = load_config(recipe, [*overrides, f"total_train_steps={steps}"]).config

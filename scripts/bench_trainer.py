@@ -72,7 +72,8 @@ def fsdp_steps(
     from areal_cli.config.allocation import parse_allocation
 
     allocation = f"embedded:d1+fsdp:{layout}"
-    nproc = parse_allocation(allocation).train.world_size
+    train = parse_allocation(allocation).train
+    nproc = train.world_size
     config = {
         "experiment_name": "bench",
         "trial_name": layout,
@@ -102,6 +103,9 @@ def fsdp_steps(
         str(work / "config.yaml"),
         "--batches",
         str(batches),
+        *("--dp", str(train.data_parallel_size)),
+        *("--cp", str(train.context_parallel_size)),
+        *("--tp", str(train.tensor_parallel_size)),
     ]
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)

@@ -62,7 +62,7 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from areal_cli.config.schema import FSDPEngineConfig, TrainEngineConfig
+    from areal_cli.config.schema import FSDPEngineConfig, ParallelStrategy, TrainEngineConfig
     from areal_cli.models.tiny_model import build_tiny_model
     from areal_cli.trainer import attention
     from areal_cli.trainer.mesh import build_mesh, step_layout
@@ -81,7 +81,7 @@ def main() -> None:
         version = 0 if args.on_policy else 1  # make_batch's tokens are version 0
         cfg = TrainEngineConfig()
         cfg.mb_spec.max_tokens_per_mb = args.max_tokens_per_mb
-        tmesh = build_mesh("cpu", "embedded:d1+fsdp:d1")
+        tmesh = build_mesh("cpu", ParallelStrategy())
         sharded = build_sharded_model(model_dir, tmesh, FSDPEngineConfig())
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         plain.config.use_cache = False

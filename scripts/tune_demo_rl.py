@@ -46,7 +46,7 @@ from areal_cli.inference.api import GenerateRequest
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.rollout.rewards import call_reward, resolve_reward
 from areal_cli.rundir.batch import RolloutBatch
-from areal_cli.trainer.main import build_optimizer
+from areal_cli.trainer.state import build_optimizer
 from areal_cli.trainer.step import train_step
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_cpu.yaml"

@@ -378,6 +378,10 @@ def _trainer_process(
         "areal_cli.trainer.main",
         "--config",
         str(RunDir(run_dir).config),
+        # the train side as parsed here: the trainer never parses the allocation string
+        *("--dp", str(mode.train.data_parallel_size)),
+        *("--cp", str(mode.train.context_parallel_size)),
+        *("--tp", str(mode.train.tensor_parallel_size)),
     ]
     env = dict(base_env)
     if device_type == "cuda":

@@ -1,7 +1,7 @@
 """The trainer's attention over packed micro-batches, and context parallelism (Ulysses).
 
 A packed micro-batch holds several sequences one after another. Each attends causally to
-itself only, so attention runs per sequence (`packed_attention`), never with a T x T mask
+itself only, so attention runs per sequence (`PackedAttention`), never with a T x T mask
 (T^2 of memory per layer, and the cross-sequence blocks' compute). Each sequence is padded
 to its own bucket width (its length rounded up to a multiple of BUCKET), and the sequences
 of one bucket go through one SDPA call as a batch [n, heads, width, d] under a causal and
@@ -19,13 +19,15 @@ outside attention is per token, so each rank runs it on its own slice. Around at
 
 Rotary embeddings are applied before attention from each token's own position id, which
 every rank holds for its slice. The sequence spans come from the sequence ids of the
-whole micro-batch, set for the duration of a forward with `micro_batch(...)`. The
+whole micro-batch, set for the duration of a forward with `PackedAttention.micro_batch`. The
 all-to-alls are differentiable (their backward is the reverse all-to-all). So every
 layer, every activation and the attention's saved q, k, v and output are split cp ways.
 
-The implementation is registered with transformers as "areal_packed" and used by every
-trainer model; transformers then builds no mask of its own. A forward outside
-`micro_batch` (one unpacked sequence per row, no context parallelism) is causal per row.
+The implementation (a `PackedAttention`, which keeps the context parallel size and the
+micro-batch of the forward running now) is installed in transformers as "areal_packed"
+and used by every trainer model; transformers then builds no mask of its own. A forward
+outside `micro_batch` (one unpacked sequence per row, no context parallelism) is causal
+per row.
 cp must divide the local (after tensor parallelism) numbers of attention and of key/value
 heads.
 """
@@ -62,22 +64,6 @@ class _Context:
         return self._spans
 
 
-_current: _Context | None = None
-_cp_size = 1  # of this process's trainer models (set by `register`)
-
-
-@contextlib.contextmanager
-def micro_batch(group: Any, size: int, seq_ids: torch.Tensor) -> Iterator[None]:
-    """Forwards inside see the whole micro-batch's sequence ids (consecutive tokens of a
-    sequence share one id); `size` is the cp size (1: no context parallelism)."""
-    global _current
-    previous, _current = _current, _Context(group, size, seq_ids)
-    try:
-        yield
-    finally:
-        _current = previous
-
-
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i.
     Differentiable: the backward is the same exchange in reverse."""
@@ -104,46 +90,79 @@ def heads_to_sequence(x: torch.Tensor, ctx: _Context) -> torch.Tensor:
     return got.reshape(1, local_heads * ctx.size, length, dim)
 
 
-def packed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: see the module docstring."""
-    ctx = _current
-    if ctx is None:
-        if _cp_size > 1:
-            raise RuntimeError("context-parallel attention outside `attention.micro_batch`")
-        if attention_mask is not None:
-            raise RuntimeError("the trainer's attention takes packed sequences, not a padding mask")
-        spans = [(0, query.shape[2])]
-    else:
-        spans = ctx.spans()
-    if ctx is not None and ctx.size > 1:
-        query, key, value = (sequence_to_heads(t, ctx) for t in (query, key, value))
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    buckets: dict[int, list[int]] = {}  # width -> indices of the sequences padded to it
-    for i, (a, b) in enumerate(spans):
-        buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append(i)
-    if len(buckets) == 1:  # every sequence, in token order
-        out = _bucket_attention(query, key, value, spans, next(iter(buckets)), dropout, scaling)
-    else:
-        out = torch.empty_like(query)
-        for width, members in buckets.items():
-            chosen = [spans[i] for i in members]
-            rows = _bucket_attention(query, key, value, chosen, width, dropout, scaling)
-            out = out.index_copy(2, _token_index(chosen, query.device), rows)
-    if ctx is not None and ctx.size > 1:
-        out = heads_to_sequence(out, ctx)
-    return out.transpose(1, 2).contiguous(), None
+class PackedAttention:
+    """The "areal_packed" attention of the trainer's models, with the state it needs: the
+    context-parallel size of the models' ranks, and the micro-batch whose forward runs now
+    (set by `micro_batch`). The trainer's mesh holds one (trainer.mesh.TrainerMesh); its
+    `install` makes it the callable transformers runs for "areal_packed"."""
+
+    def __init__(self, cp_size: int = 1) -> None:
+        self.cp_size = cp_size
+        self._current: _Context | None = None
+
+    def install(self) -> PackedAttention:
+        """Make this object transformers' "areal_packed" attention (the one every model
+        with that implementation calls); returns it."""
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION, self)
+        return self
+
+    @contextlib.contextmanager
+    def micro_batch(self, group: Any, size: int, seq_ids: torch.Tensor) -> Iterator[None]:
+        """Forwards inside see the whole micro-batch's sequence ids (consecutive tokens of
+        a sequence share one id); `size` is the cp size (1: no context parallelism)."""
+        previous, self._current = self._current, _Context(group, size, seq_ids)
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention interface: see the module docstring."""
+        ctx = self._current
+        if ctx is None:
+            if self.cp_size > 1:
+                raise RuntimeError(
+                    "context-parallel attention outside `PackedAttention.micro_batch`"
+                )
+            if attention_mask is not None:
+                raise RuntimeError(
+                    "the trainer's attention takes packed sequences, not a padding mask"
+                )
+            spans = [(0, query.shape[2])]
+        else:
+            spans = ctx.spans()
+        if ctx is not None and ctx.size > 1:
+            query, key, value = (sequence_to_heads(t, ctx) for t in (query, key, value))
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        buckets: dict[int, list[int]] = {}  # width -> indices of the sequences padded to it
+        for i, (a, b) in enumerate(spans):
+            buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append(i)
+        if len(buckets) == 1:  # every sequence, in token order
+            out = _bucket_attention(query, key, value, spans, next(iter(buckets)), dropout, scaling)
+        else:
+            out = torch.empty_like(query)
+            for width, members in buckets.items():
+                chosen = [spans[i] for i in members]
+                rows = _bucket_attention(query, key, value, chosen, width, dropout, scaling)
+                out = out.index_copy(2, _token_index(chosen, query.device), rows)
+        if ctx is not None and ctx.size > 1:
+            out = heads_to_sequence(out, ctx)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def _token_index(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
@@ -192,14 +211,19 @@ def _bucket_attention(
     return out.transpose(0, 1)[:, valid][None]
 
 
-def register(cp_size: int) -> None:
-    """Make "areal_packed" a transformers attention implementation (idempotent), for
-    models whose ranks form context-parallel groups of `cp_size`."""
+def register(cp_size: int = 1) -> PackedAttention:
+    """A new PackedAttention for models whose ranks form context-parallel groups of
+    `cp_size`, installed as transformers' "areal_packed"."""
+    return PackedAttention(cp_size).install()
+
+
+def installed() -> PackedAttention:
+    """The PackedAttention transformers runs for "areal_packed" now: the one the trainer's
+    models call (a new one for cp 1 when none is installed). For a step without a mesh."""
     from transformers import AttentionInterface
 
-    global _cp_size
-    _cp_size = cp_size
-    AttentionInterface.register(ATTENTION, packed_attention)
+    found = AttentionInterface._global_mapping.get(ATTENTION)
+    return found if isinstance(found, PackedAttention) else register(1)
 
 
 def pad_to_multiple(n: int, size: int) -> int:

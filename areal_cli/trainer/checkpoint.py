@@ -262,101 +262,100 @@ def _build_plan(model: nn.Module, fingerprint: tuple) -> _ExportPlan:
     return _ExportPlan(fingerprint, header, size, tuple(writes))
 
 
-_plans: weakref.WeakKeyDictionary[nn.Module, _ExportPlan] = weakref.WeakKeyDictionary()
-_swept: set[Path] = set()  # parents whose crash leftovers this process already removed
+class Checkpointer:
+    """Writes the trainer's HF exports, keeping what one process learns across them: the
+    export plan of each model (`_ExportPlan`), the parents whose crash leftovers it already
+    removed, and the background collection of old entries (one at a time)."""
 
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[nn.Module, _ExportPlan] = weakref.WeakKeyDictionary()
+        self._swept: set[Path] = set()  # parents whose crash leftovers are removed
+        self._cleaner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cleaning: concurrent.futures.Future | None = None
 
-def _export_plan(model: nn.Module) -> _ExportPlan:
-    fingerprint = _fingerprint(model)
-    plan = _plans.get(model)
-    if plan is None or plan.fingerprint != fingerprint:
-        plan = _plans[model] = _build_plan(model, fingerprint)
-    return plan
+    def _export_plan(self, model: nn.Module) -> _ExportPlan:
+        fingerprint = _fingerprint(model)
+        plan = self._plans.get(model)
+        if plan is None or plan.fingerprint != fingerprint:
+            plan = self._plans[model] = _build_plan(model, fingerprint)
+        return plan
 
+    def _collect_in_background(self, parent: Path, prefix: str, keep_last: int) -> None:
+        """Delete old entries while the next step trains: unlinking a few hundred MB takes
+        longer than the whole rest of a publish, and nothing needs to wait for it."""
+        self.wait_for_cleanup()
+        self._cleaner = self._cleaner or concurrent.futures.ThreadPoolExecutor(1, "areal-gc")
+        self._cleaning = self._cleaner.submit(handoff.gc, parent, prefix, keep_last)
 
-_cleaner: concurrent.futures.ThreadPoolExecutor | None = None
-_cleaning: concurrent.futures.Future | None = None
+    def wait_for_cleanup(self) -> None:
+        """Finish the pending background collection; re-raises its error, if any."""
+        if self._cleaning is not None:
+            pending, self._cleaning = self._cleaning, None
+            pending.result()
 
+    def export_hf(
+        self,
+        parent: Path,
+        name: str,
+        version: int,
+        model: nn.Module,
+        model_dir: Path,
+        meta: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+        prefix: str = "v",
+    ) -> Path | None:
+        """Publish an HF folder PARENT/NAME (collective: every rank writes its own shards).
 
-def _collect_in_background(parent: Path, prefix: str, keep_last: int) -> None:
-    """Delete old entries while the next step trains: unlinking a few hundred MB takes
-    longer than the whole rest of a publish, and nothing needs to wait for it."""
-    global _cleaner, _cleaning
-    wait_for_cleanup()
-    _cleaner = _cleaner or concurrent.futures.ThreadPoolExecutor(1, "areal-gc")
-    _cleaning = _cleaner.submit(handoff.gc, parent, prefix, keep_last)
+        Rank 0 creates `model.safetensors` at its final size with the header; then each rank
+        `pwrite`s the rows of every parameter it holds at their offsets and fsyncs, so no
+        weight crosses between ranks. Rank 0 combines the pieces' CRC-32s into the file's,
+        adds config and tokenizer, the manifest, and renames the entry into place (handoff
+        protocol). This needs a filesystem where writes from several processes to disjoint
+        ranges of one file are safe: local disks, NFS, Lustre and GPFS all are.
+        """
+        from areal_cli.rundir.layout import model_files_to_copy
+        from areal_cli.rundir.safetensors_io import PieceWriter
 
-
-def wait_for_cleanup() -> None:
-    """Finish the pending background collection; re-raises its error, if any."""
-    global _cleaning
-    if _cleaning is not None:
-        pending, _cleaning = _cleaning, None
-        pending.result()
-
-
-def export_hf(
-    parent: Path,
-    name: str,
-    version: int,
-    model: nn.Module,
-    model_dir: Path,
-    meta: dict[str, Any] | None = None,
-    keep_last: int | None = None,
-    prefix: str = "v",
-) -> Path | None:
-    """Publish an HF folder PARENT/NAME (collective: every rank writes its own shards).
-
-    Rank 0 creates `model.safetensors` at its final size with the header; then each rank
-    `pwrite`s the rows of every parameter it holds at their offsets and fsyncs, so no
-    weight crosses between ranks. Rank 0 combines the pieces' CRC-32s into the file's,
-    adds config and tokenizer, the manifest, and renames the entry into place (handoff
-    protocol). This needs a filesystem where writes from several processes to disjoint
-    ranges of one file are safe: local disks, NFS, Lustre and GPFS all are.
-    """
-    from areal_cli.rundir.layout import model_files_to_copy
-    from areal_cli.rundir.safetensors_io import PieceWriter
-
-    meta = {**(meta or {}), "publish_started": time.time()}
-    rank = dist.get_rank()
-    plan = _export_plan(model)
-    file_name = "model.safetensors"
-    tmp, header_piece = None, None
-    if rank == 0:
-        wait_for_cleanup()
-        if parent not in _swept:  # leftovers only come from an earlier, crashed process
-            handoff.remove_stale(parent)
-            _swept.add(parent)
-        tmp = handoff.new_tmp_dir(parent, name)
-        header_piece = PieceWriter.create(tmp / file_name, plan.header, plan.size)
-    tmp = Path(_broadcast_object(str(tmp) if tmp else None))  # also: the file now exists
-    writer = PieceWriter(tmp / file_name)
-    links = []
-    try:
-        with torch.no_grad():
-            # collective: every rank walks the same order (full_tensor() gathers)
-            for tensor, how, offset in plan.writes:
-                if how == _FULL:
-                    full = tensor.full_tensor()
-                    if rank == 0:
-                        writer.write(offset, full)
-                else:
-                    writer.write(offset, tensor)
-        if rank == 0:  # meanwhile the kernel is writing the shards out
-            links = [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
-    finally:
-        pieces = writer.close()
-    gathered: list[Any] = [pieces]
-    if dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, pieces)
-    path = None
-    if rank == 0:
-        all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
-        records = [handoff.combine_pieces(file_name, plan.size, all_pieces), *links]
-        path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
-        if keep_last:
-            _collect_in_background(parent, prefix, keep_last)
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    return path
+        meta = {**(meta or {}), "publish_started": time.time()}
+        rank = dist.get_rank()
+        plan = self._export_plan(model)
+        file_name = "model.safetensors"
+        tmp, header_piece = None, None
+        if rank == 0:
+            self.wait_for_cleanup()
+            if parent not in self._swept:  # leftovers only come from an earlier, crashed process
+                handoff.remove_stale(parent)
+                self._swept.add(parent)
+            tmp = handoff.new_tmp_dir(parent, name)
+            header_piece = PieceWriter.create(tmp / file_name, plan.header, plan.size)
+        tmp = Path(_broadcast_object(str(tmp) if tmp else None))  # also: the file now exists
+        writer = PieceWriter(tmp / file_name)
+        links = []
+        try:
+            with torch.no_grad():
+                # collective: every rank walks the same order (full_tensor() gathers)
+                for tensor, how, offset in plan.writes:
+                    if how == _FULL:
+                        full = tensor.full_tensor()
+                        if rank == 0:
+                            writer.write(offset, full)
+                    else:
+                        writer.write(offset, tensor)
+            if rank == 0:  # meanwhile the kernel is writing the shards out
+                links = [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
+        finally:
+            pieces = writer.close()
+        gathered: list[Any] = [pieces]
+        if dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, pieces)
+        path = None
+        if rank == 0:
+            all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
+            records = [handoff.combine_pieces(file_name, plan.size, all_pieces), *links]
+            path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
+            if keep_last:
+                self._collect_in_background(parent, prefix, keep_last)
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        return path

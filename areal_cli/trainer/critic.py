@@ -47,7 +47,6 @@ from torch import nn
 
 from areal_cli.config.schema import CriticConfig, ExperimentConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
-from areal_cli.trainer import attention
 from areal_cli.trainer.values import gae, value_loss
 
 # sums each step adds to the trainer's Stats (step._stat_keys) when there is a critic
@@ -79,8 +78,8 @@ class Critic:
     eos_id: int | None
     model_dir: Path  # its config and tokenizer, which its HF exports carry
 
-    # What the actor's step (areal_cli.trainer.step) asks of it; the step never imports
-    # this module, so the critic can use the step's machinery without a cycle.
+    # What the actor's step asks of it (step.ValueModel); the step never imports this
+    # module, so the critic can use the step's machinery without a cycle.
     stat_keys = STAT_KEYS  # its per-token sums, reduced with the actor's
 
     def targets(self, batch, shards, plans, cfg, layout, beat, stats) -> list:
@@ -91,8 +90,15 @@ class Critic:
         """Its optimizer steps on one minibatch (see `update`)."""
         return update(self, batch, minibatch, shard, plan, row, layout, beat, stats)
 
-    def finish_stats(self, out: dict[str, float], grad_norms: list[float], n: int) -> dict:
-        return finish_stats(out, grad_norms, n)
+    def skip_minibatch(self) -> None:
+        """A minibatch without sequences: the schedule steps as the actor's does."""
+        self.scheduler.step()
+
+    def finish_stats(self, out: dict[str, float], grad_norms: list[float]) -> dict[str, float]:
+        """Its figures (see `finish_stats`), and its learning rate now."""
+        result = finish_stats(out, grad_norms, len(grad_norms))
+        result["critic_lr"] = self.optimizer.param_groups[0]["lr"]
+        return result
 
 
 @dataclass
@@ -148,7 +154,7 @@ def forward_values(
     mb = label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
     local = {k: v.to(device) for k, v in mb.items()}
-    with attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"]):
+    with layout.attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"]):
         values = model(
             input_ids=local["input_ids"][None],
             position_ids=local["position_ids"][None],

@@ -3,11 +3,12 @@ read by the step, the critic and the supervised roles)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
+from areal_cli.trainer.attention import PackedAttention, installed
 from areal_cli.trainer.losses import VocabShard
 
 
@@ -23,6 +24,9 @@ class StepLayout:
     cp_rank: int = 0  # context parallel: this rank's slice of each micro-batch's positions
     cp_size: int = 1
     cp_group: Any = None
+    # the models' attention, which each forward tells its micro-batch (default: the one
+    # installed in transformers, for a step without a mesh)
+    attention: PackedAttention = field(default_factory=installed)
 
     @classmethod
     def data_parallel(cls) -> StepLayout:

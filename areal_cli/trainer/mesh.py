@@ -1,8 +1,8 @@
 """The trainer's device mesh: data, context and tensor parallel dims on one mesh.
 
-The allocation's fsdp component gives the sizes (`fsdp:d2t2` = 4 ranks: dp 2, tp 2); `d`
-is whatever the launched world leaves after `c` and `t` (so a data-parallel checkpoint
-resumes on any number of ranks). Ranks are laid out with tp innermost, as torchtitan and
+The train side of the allocation (a `ParallelStrategy`, parsed by the launcher and
+given to the trainer as --dp/--cp/--tp) gives the sizes (`fsdp:d2t2` = 4 ranks: dp 2,
+tp 2); it must cover the launched world exactly. Ranks are laid out with tp innermost, as torchtitan and
 Megatron do, so a tensor-parallel group is a block of neighbouring ranks.
 
 Who does what:
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from areal_cli.config.allocation import parse_allocation
+from areal_cli.config.schema import ParallelStrategy
+from areal_cli.trainer.attention import PackedAttention
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.losses import VocabShard
 
@@ -38,6 +39,7 @@ class TrainerMesh:
     dp: int
     cp: int
     tp: int
+    attention: PackedAttention  # the models' attention (context parallel over the cp dim)
 
     @property
     def tensor(self) -> DeviceMesh:
@@ -60,23 +62,23 @@ class TrainerMesh:
         return self.tensor.get_group() if self.tp > 1 else None
 
 
-def layout_sizes(allocation_mode: str, world: int) -> tuple[int, int, int]:
-    """(dp, cp, tp) for `world` ranks under the allocation's fsdp component."""
-    train = parse_allocation(allocation_mode).train
-    cp = train.context_parallel_size if train else 1
-    tp = train.tensor_parallel_size if train else 1
-    if world % (cp * tp):
+def layout_sizes(strategy: ParallelStrategy, world: int) -> tuple[int, int, int]:
+    """(dp, cp, tp) of `strategy`, which must cover the `world` launched ranks."""
+    dp = strategy.data_parallel_size
+    cp, tp = strategy.context_parallel_size, strategy.tensor_parallel_size
+    if dp * cp * tp != world:
         raise ValueError(
-            f"{world} trainer ranks cannot form c{cp} x t{tp} groups; launch a multiple of {cp * tp}"
+            f"{world} trainer ranks cannot form d{dp} x c{cp} x t{tp}; launch {dp * cp * tp}"
         )
-    return world // (cp * tp), cp, tp
+    return dp, cp, tp
 
 
-def build_mesh(device_type: str, allocation_mode: str) -> TrainerMesh:
+def build_mesh(device_type: str, strategy: ParallelStrategy) -> TrainerMesh:
     """The mesh of this torchrun world (collective: every rank calls it)."""
-    dp, cp, tp = layout_sizes(allocation_mode, dist.get_world_size())
+    dp, cp, tp = layout_sizes(strategy, dist.get_world_size())
     mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=DIMS)
-    return TrainerMesh(mesh, mesh["dp", "cp"]._flatten("dp_cp"), dp, cp, tp)
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    return TrainerMesh(mesh, flat, dp, cp, tp, PackedAttention(cp))
 
 
 def step_layout(tmesh: TrainerMesh, vocab_size: int) -> StepLayout:
@@ -96,4 +98,5 @@ def step_layout(tmesh: TrainerMesh, vocab_size: int) -> StepLayout:
         cp_rank=cp.get_local_rank(),
         cp_size=tmesh.cp,
         cp_group=cp.get_group() if tmesh.cp > 1 else None,
+        attention=tmesh.attention,
     )

@@ -131,10 +131,10 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     if tmesh.tp > 1:
         apply_tensor_parallel(model, tmesh)
     # attention per packed sequence; with cp > 1, over whole sequences through all-to-alls
-    from areal_cli.trainer import attention
+    from areal_cli.trainer.attention import ATTENTION
 
-    attention.register(tmesh.cp)
-    model.config._attn_implementation = attention.ATTENTION
+    tmesh.attention.install()
+    model.config._attn_implementation = ATTENTION
     mp = MixedPrecisionPolicy(
         param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
     )

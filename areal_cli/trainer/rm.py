@@ -33,10 +33,10 @@ from torch import nn
 
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, format_prompt, load_prompts, reply_ids
-from areal_cli.trainer import attention
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences
-from areal_cli.trainer.sft import Beat, step_indices
+from areal_cli.trainer.sft import step_indices
+from areal_cli.trainer.state import Beat, TrainerState
 from areal_cli.trainer.step import (
     Stats,
     agree_on_plans,
@@ -44,6 +44,7 @@ from areal_cli.trainer.step import (
     optimizer_step,
     split_range,
 )
+from areal_cli.trainer.supervised import SupervisedRole
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def last_token_scores(
     """The head's output at each sequence's last token, from one packed forward."""
     device = next(model.parameters()).device
     packed = pack_sequences([torch.tensor(s, dtype=torch.long) for s in sequences])
-    with attention.micro_batch(layout.cp_group, layout.cp_size, packed.seq_ids):
+    with layout.attention.micro_batch(layout.cp_group, layout.cp_size, packed.seq_ids):
         scores = model(
             input_ids=packed.input_ids[None].to(device),
             position_ids=packed.position_ids[None].to(device),
@@ -152,12 +153,18 @@ def _pair_pass(
     }
 
 
-@dataclass(frozen=True)
-class RewardModelRole:
-    """algorithm: rm, as the trainer's loop drives it (see areal_cli.trainer.main)."""
+@dataclass
+class RewardModelRole(SupervisedRole):
+    """algorithm: rm, as the trainer's loop drives it (state.Role)."""
 
     train: Pairs
     held_out: Pairs | None
+
+    @classmethod
+    def build(cls, state: TrainerState) -> RewardModelRole:
+        """Tokenize the preference pairs (every rank)."""
+        state.beat.phase("tokenize dataset")
+        return cls.from_config(state.cfg, state.actor.model_dir)
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, model_dir: Path) -> RewardModelRole:
@@ -176,29 +183,34 @@ class RewardModelRole:
             f"skipped), {len(self.held_out) if self.held_out else 0} held out"
         )
 
-    def step(self, step, cfg, model, optimizer, scheduler, layout, beat) -> dict[str, float]:
+    def train_on(self, state: TrainerState, step: int, beat: Beat) -> dict[str, float]:
         """One optimizer step on step `step`'s pairs."""
+        cfg, a, layout = state.cfg, state.actor, state.layout
         index = step_indices(
             len(self.train), cfg.rm.batch_size, step, cfg.dataset.seed, cfg.dataset.shuffle
         )
-        out = _pair_pass(model, self.train, index, len(index), cfg, layout, beat, train=True)
+        out = _pair_pass(a.model, self.train, index, len(index), cfg, layout, beat, train=True)
         beat("optimizer step")
-        out["grad_norm"] = optimizer_step(model, optimizer, cfg.actor.optimizer.gradient_clipping)
-        scheduler.step()
-        out["lr"] = optimizer.param_groups[0]["lr"]
+        clip = cfg.actor.optimizer.gradient_clipping
+        out["grad_norm"] = optimizer_step(a.model, a.optimizer, clip)
+        a.scheduler.step()
+        out["lr"] = a.optimizer.param_groups[0]["lr"]
         return out
 
     @property
     def has_eval(self) -> bool:
         return self.held_out is not None
 
-    def due(self, cfg: ExperimentConfig, step: int, last: int) -> bool:
-        return self.held_out is not None and (step % cfg.rm.eval_freq_steps == 0 or step == last)
+    def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
+        return cfg.rm.eval_freq_steps
 
     @torch.no_grad()
-    def evaluate(self, cfg, model, layout, beat) -> dict[str, float]:
+    def evaluate(self, state: TrainerState, beat: Beat) -> dict[str, float]:
         """Held-out loss and pairwise accuracy (collective)."""
         assert self.held_out is not None
         index = list(range(len(self.held_out)))
-        out = _pair_pass(model, self.held_out, index, len(index), cfg, layout, beat, train=False)
+        out = _pair_pass(
+            state.actor.model, self.held_out, index, len(index), state.cfg, state.layout, beat,
+            train=False,
+        )  # fmt: skip
         return {"eval_loss": out["loss"], "eval_accuracy": out["accuracy"]}

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from areal_cli.data.prompts import (
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
 from areal_cli.trainer.layout import StepLayout
+from areal_cli.trainer.state import Beat, TrainerState, vocab_size
 from areal_cli.trainer.step import (
     Stats,
     agree_on_micro_batches,
@@ -60,6 +60,7 @@ from areal_cli.trainer.step import (
     optimizer_step,
     split_range,
 )
+from areal_cli.trainer.supervised import SupervisedRole
 
 
 @dataclass(frozen=True)
@@ -90,16 +91,23 @@ class Examples:
         return RolloutBatch.from_sequences(seqs, [0.0] * len(seqs), group_size=1)
 
 
-@dataclass(frozen=True)
-class SFTData:
-    """What an SFT run trains and evaluates on, and the label-smoothing support."""
+@dataclass
+class SFTRole(SupervisedRole):
+    """algorithm: sft, as the trainer's loop drives it (state.Role): what it trains and
+    evaluates on, and the label-smoothing support."""
 
     train: Examples
     eval: Examples | None
     support: torch.Tensor | None  # token ids; None: no label smoothing
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig, model_dir: Path, vocab_size: int) -> SFTData:
+    def build(cls, state: TrainerState) -> SFTRole:
+        """Tokenize the dataset (every rank)."""
+        state.beat.phase("tokenize dataset")
+        return cls.from_config(state.cfg, state.actor.model_dir, vocab_size(state.actor.model))
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, model_dir: Path, vocab: int) -> SFTRole:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_dir)
@@ -120,10 +128,8 @@ class SFTData:
                 }
                 support = torch.tensor(sorted(ids), dtype=torch.long)
             else:
-                support = torch.arange(vocab_size)
+                support = torch.arange(vocab)
         return cls(train, held_out, support)
-
-    # the interface of a supervised role, as the trainer's loop drives it (trainer.main)
 
     def describe(self) -> str:
         return (
@@ -131,24 +137,28 @@ class SFTData:
             f"skipped), {len(self.eval) if self.eval else 0} held out"
         )
 
-    def step(self, step, cfg, model, optimizer, scheduler, layout, beat) -> dict[str, float]:
+    def train_on(self, state: TrainerState, step: int, beat: Beat) -> dict[str, float]:
         """One optimizer step on step `step`'s examples."""
+        cfg, a = state.cfg, state.actor
         index = step_indices(
             len(self.train), cfg.sft.batch_size, step, cfg.dataset.seed, cfg.dataset.shuffle
         )
         batch = self.train.batch(index)
-        return sft_step(model, optimizer, scheduler, batch, cfg, self.support, layout, beat)
+        return sft_step(
+            a.model, a.optimizer, a.scheduler, batch, cfg, self.support, state.layout, beat
+        )
 
     @property
     def has_eval(self) -> bool:
         return self.eval is not None
 
-    def due(self, cfg: ExperimentConfig, step: int, last: int) -> bool:
-        return self.eval is not None and (step % cfg.sft.eval_freq_steps == 0 or step == last)
+    def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
+        return cfg.sft.eval_freq_steps
 
-    def evaluate(self, cfg, model, layout, beat) -> dict[str, float]:
+    def evaluate(self, state: TrainerState, beat: Beat) -> dict[str, float]:
         assert self.eval is not None
-        return {"eval_loss": eval_loss(model, self.eval, cfg.actor, layout, beat)}
+        loss = eval_loss(state.actor.model, self.eval, state.cfg.actor, state.layout, beat)
+        return {"eval_loss": loss}
 
 
 def load_examples(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Examples:
@@ -214,9 +224,6 @@ def _epoch_order(n_examples: int, seed: int, shuffle: bool) -> tuple[int, ...]:
     if shuffle:
         random.Random(seed).shuffle(order)
     return tuple(order)
-
-
-Beat = Callable[[str], None]
 
 
 def sft_step(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def forward_logprobs(
     mb = label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
     here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
-    context = attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"])
+    context = layout.attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"])
     local = {k: v[here].to(device) for k, v in mb.items() if k != "seq_counts"}
     with context:
         logits = (
@@ -166,7 +166,9 @@ def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
     reduce-scatters zeros."""
     device = next(model.parameters()).device
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-    with attention.micro_batch(layout.cp_group, layout.cp_size, torch.arange(layout.cp_size)):
+    with layout.attention.micro_batch(
+        layout.cp_group, layout.cp_size, torch.arange(layout.cp_size)
+    ):
         out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
     logits = out if torch.is_tensor(out) else out.logits  # a scalar head returns its scores
     return logits.float().sum() * 0.0
@@ -246,7 +248,9 @@ class Stats:
         return out
 
 
-def _stat_keys(cfg: TrainEngineConfig, critic: Any = None) -> tuple[list[str], list[str]]:
+def _stat_keys(
+    cfg: TrainEngineConfig, critic: ValueModel | None = None
+) -> tuple[list[str], list[str]]:
     sums = ["loss", "loss_tokens", "tokens", "entropy_sum", "clip_frac_sum", "behav_logprob_sum"]
     if critic is not None:
         sums += critic.stat_keys
@@ -260,6 +264,66 @@ def _stat_keys(cfg: TrainEngineConfig, critic: Any = None) -> tuple[list[str], l
     return sums, maxes
 
 
+class ValueModel(Protocol):
+    """What the actor's step asks of a value model: the PPO critic
+    (areal_cli.trainer.critic.Critic) implements it. The step never imports the critic, so
+    the critic can use the step's machinery (packing, micro-batch plans) without a cycle."""
+
+    stat_keys: list[str]  # its per-token sums, reduced with the actor's
+
+    def targets(
+        self, batch: RolloutBatch, shards, plans, cfg: TrainEngineConfig, layout, beat, stats
+    ) -> list[list[Any]]:
+        """Per micro-batch of this rank, before any update: an object whose `advantages`
+        (per position, label space) the actor's loss takes."""
+        ...
+
+    def update(self, batch, minibatch, shard, plan, row, layout, beat, stats) -> list[float]:
+        """Its own optimizer steps on one minibatch, after the actor's; the grad norms."""
+        ...
+
+    def skip_minibatch(self) -> None:
+        """A minibatch without sequences (the same on every rank): its schedule steps."""
+        ...
+
+    def finish_stats(self, out: dict[str, float], grad_norms: list[float]) -> dict[str, float]:
+        """Its figures from the reduced sums (popping its `stat_keys`)."""
+        ...
+
+
+@dataclass
+class _StepRun:
+    """What every pass of one step reads: the batch cut into minibatches, this rank's
+    shard of each and its agreed micro-batch plan, and the stats being summed."""
+
+    model: nn.Module
+    batch: RolloutBatch
+    cfg: TrainEngineConfig
+    temperature: float
+    layout: StepLayout
+    beat: Beat
+    stats: Stats
+    minibatches: list[list[int]]
+    shards: list[list[int]]
+    plans: list[_Shard]
+
+    @property
+    def n_minibatches(self) -> int:
+        return len(self.minibatches)
+
+
+@dataclass
+class _Inputs:
+    """What the update's losses take beside the model's own logprobs, computed before the
+    first update: per-sequence advantages, or the critic's per-token targets; the proximal
+    and reference logprobs of every micro-batch (None where not needed)."""
+
+    adv_seq: torch.Tensor | None
+    targets: list[list[Any]] | None
+    prox: list[list[torch.Tensor | None]] | None
+    ref: list[list[torch.Tensor | None]] | None
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -270,7 +334,7 @@ def train_step(
     ref_model: nn.Module | None = None,
     beat: Beat = _no_beat,
     layout: StepLayout | None = None,
-    critic: Any = None,
+    critic: ValueModel | None = None,
     policy_version: int | None = None,
 ) -> dict[str, float]:
     """Run one PPO step on `batch` (collective over every trainer rank).
@@ -278,10 +342,10 @@ def train_step(
     `ref_model` (frozen, same sharding) is required when `cfg.kl_ctl > 0`. `beat` is told
     each phase as it starts (the heartbeat that the controller's watchdog reads). `layout`
     says how this rank takes part (default: data parallel over the whole world). With a
-    `critic` (areal_cli.trainer.critic), advantages are per token by GAE, and the critic
-    takes its own optimizer step after the actor's in every minibatch. `policy_version`
-    is the version of the model's weights now: when every generated token of the batch
-    came from it, the proximal policy is the behaviour policy.
+    `critic` (a `ValueModel`), advantages are per token by GAE, and the critic takes its
+    own optimizer step after the actor's in every minibatch. `policy_version` is the
+    version of the model's weights now: when every generated token of the batch came from
+    it, the proximal policy is the behaviour policy.
 
     The proximal policy of decoupled PPO is the model as the step starts. With one
     minibatch, the step's own training forward runs on exactly those weights (nothing is
@@ -293,109 +357,139 @@ def train_step(
     if cfg.kl_ctl > 0 and ref_model is None:
         raise ValueError("actor.kl_ctl > 0 needs a reference model")
     temperature = temperature if temperature > 0 else 1.0
-    adv_seq = seq_advantages(batch, cfg) if critic is None else None
-    n_minibatches = cfg.ppo_n_minibatches
-    stats = Stats(*_stat_keys(cfg, critic))
-    minibatches = [list(split_range(batch.n_seqs, n_minibatches, m)) for m in range(n_minibatches)]
-    shards = [
-        [mb[i] for i in split_range(len(mb), layout.dp_size, layout.dp_rank)] for mb in minibatches
-    ]
-    beat("plan micro-batches")
-    plans = agree_on_micro_batches(batch, shards, cfg)
-    on_policy = policy_version is not None and is_on_policy(batch, policy_version)
-    prox = (
-        _no_grad_logprobs(model, batch, shards, plans, temperature, beat, "proximal", layout)
-        if cfg.use_decoupled_loss and not on_policy and n_minibatches > 1
-        else None
-    )
-    ref = (
-        _no_grad_logprobs(ref_model, batch, shards, plans, temperature, beat, "reference", layout)
-        if cfg.kl_ctl > 0
-        else None
-    )
-    targets = None
-    if critic is not None:
-        targets = critic.targets(batch, shards, plans, cfg, layout, beat, stats)
+    run = _plan_step(model, batch, cfg, temperature, layout, beat, critic)
+    inputs = _before_update(run, ref_model, critic, policy_version)
     grad_norms, critic_norms = [], []
-    for m, (minibatch, shard, plan) in enumerate(zip(minibatches, shards, plans, strict=True)):
-        if not minibatch:  # fewer sequences than minibatches: the same on every rank
+    for m in range(run.n_minibatches):
+        if not run.minibatches[m]:  # fewer sequences than minibatches: the same on every rank
             if scheduler is not None:
                 scheduler.step()
             if critic is not None:
-                critic.scheduler.step()
+                critic.skip_minibatch()
             continue
-        normalizer = global_normalizer(batch, minibatch, cfg.loss_agg_mode)
-        n_mbs = len(plan.micro_batches)
-        for j, mb in enumerate(plan.micro_batches):
-            beat(f"train mb {j + 1}/{n_mbs}" + _of(m, n_minibatches))
-            if not mb:
-                (empty_forward(model, layout) * layout.data_world).backward()
-                continue
-            seqs = [shard[i] for i in mb]
-            with _SavedForBackward() as saved:
-                logp, entropy, t = forward_logprobs(model, batch, seqs, temperature, layout)
-            stats.max("activation_bytes", saved.bytes)
-            mask = t["loss_mask"].bool()
-            if targets is not None:
-                adv = targets[m][j].advantages.to(logp.device)  # per token, from the critic
-            else:
-                # one more value (0) for the filler sequence a context-parallel micro-batch may end with
-                values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
-                adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
-            if cfg.use_decoupled_loss:
-                if n_minibatches == 1:  # this forward's weights are the proximal ones
-                    proximal = logp.detach()
-                else:
-                    proximal = prox[m][j] if prox is not None else t["logprobs"]  # on-policy
-                loss_tok, lstats = losses.decoupled_ppo_loss(
-                    logp,
-                    proximal,
-                    t["logprobs"],
-                    adv,
-                    mask,
-                    eps_clip=cfg.eps_clip,
-                    eps_clip_higher=cfg.eps_clip_higher,
-                    behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-                )
-            else:
-                loss_tok, lstats = losses.ppo_policy_loss(
-                    logp,
-                    t["logprobs"],
-                    adv,
-                    mask,
-                    eps_clip=cfg.eps_clip,
-                    eps_clip_higher=cfg.eps_clip_higher,
-                )
-            if ref is not None:
-                kl = losses.kl_penalty(logp, ref[m][j], mask, cfg.kl_ctl, cfg.kl_estimator)
-                loss_tok = loss_tok + kl
-                stats.add("kl_sum", (kl.detach() / cfg.kl_ctl).sum())
-            loss = losses.aggregate_loss(
-                loss_tok, mask, normalizer, cfg.loss_agg_mode, t["seq_ids"], t["seq_counts"]
-            )
-            (loss * layout.data_world).backward()
-            _record(stats, loss, lstats, entropy, mask, t)
-        beat("optimizer step" + _of(m, n_minibatches))
+        _train_minibatch(run, m, inputs)
+        beat("optimizer step" + _of(m, run.n_minibatches))
         grad_norms.append(optimizer_step(model, optimizer, cfg.optimizer.gradient_clipping))
         if scheduler is not None:
             scheduler.step()
         if critic is not None:
-            critic_norms += critic.update(
-                batch, minibatch, shard, plan, targets[m], layout, beat, stats
-            )
-    for plan in plans:
+            mb_args = (run.minibatches[m], run.shards[m], run.plans[m], inputs.targets[m])
+            critic_norms += critic.update(batch, *mb_args, layout, beat, run.stats)
+    return _step_stats(run, grad_norms, critic_norms, optimizer, critic)
+
+
+def _plan_step(model, batch, cfg, temperature, layout, beat, critic) -> _StepRun:
+    """Cut the batch into minibatches and this rank's shards, and agree on their plans."""
+    n = cfg.ppo_n_minibatches
+    minibatches = [list(split_range(batch.n_seqs, n, m)) for m in range(n)]
+    shards = [
+        [mb[i] for i in split_range(len(mb), layout.dp_size, layout.dp_rank)] for mb in minibatches
+    ]
+    stats = Stats(*_stat_keys(cfg, critic))
+    beat("plan micro-batches")
+    plans = agree_on_micro_batches(batch, shards, cfg)
+    return _StepRun(model, batch, cfg, temperature, layout, beat, stats, minibatches, shards, plans)
+
+
+def _before_update(
+    run: _StepRun, ref_model: nn.Module | None, critic: ValueModel | None, version: int | None
+) -> _Inputs:
+    """The passes before the first update, in this order on every rank: the proximal
+    logprobs (when needed, see train_step), the reference's, the critic's targets."""
+    cfg = run.cfg
+    adv_seq = seq_advantages(run.batch, cfg) if critic is None else None
+    on_policy = version is not None and is_on_policy(run.batch, version)
+    prox = None
+    if cfg.use_decoupled_loss and not on_policy and run.n_minibatches > 1:
+        prox = _no_grad_logprobs(run.model, run, "proximal")
+    ref = _no_grad_logprobs(ref_model, run, "reference") if cfg.kl_ctl > 0 else None
+    targets = None
+    if critic is not None:
+        targets = critic.targets(
+            run.batch, run.shards, run.plans, cfg, run.layout, run.beat, run.stats
+        )
+    return _Inputs(adv_seq, targets, prox, ref)
+
+
+def _train_minibatch(run: _StepRun, m: int, inputs: _Inputs) -> None:
+    """Forward and backward of every micro-batch of minibatch `m` (gradients accumulate)."""
+    normalizer = global_normalizer(run.batch, run.minibatches[m], run.cfg.loss_agg_mode)
+    plan, layout = run.plans[m], run.layout
+    n_mbs = len(plan.micro_batches)
+    for j, mb in enumerate(plan.micro_batches):
+        run.beat(f"train mb {j + 1}/{n_mbs}" + _of(m, run.n_minibatches))
+        if not mb:
+            (empty_forward(run.model, layout) * layout.data_world).backward()
+            continue
+        seqs = [run.shards[m][i] for i in mb]
+        with _SavedForBackward() as saved:
+            logp, entropy, t = forward_logprobs(run.model, run.batch, seqs, run.temperature, layout)
+        run.stats.max("activation_bytes", saved.bytes)
+        loss, lstats = _micro_batch_loss(run, (m, j), seqs, logp, t, inputs, normalizer)
+        (loss * layout.data_world).backward()
+        _record(run.stats, loss, lstats, entropy, t["loss_mask"].bool(), t)
+
+
+def _micro_batch_loss(
+    run: _StepRun,
+    at: tuple[int, int],
+    seqs: list[int],
+    logp: torch.Tensor,
+    t: dict,
+    inputs: _Inputs,
+    normalizer: int,
+) -> tuple[torch.Tensor, dict]:
+    """The PPO loss (decoupled or plain, plus KL) of micro-batch j of minibatch m (`at`),
+    normalised by the minibatch's global count (`normalizer`)."""
+    cfg, (m, j) = run.cfg, at
+    mask = t["loss_mask"].bool()
+    if inputs.targets is not None:
+        adv = inputs.targets[m][j].advantages.to(logp.device)  # per token, from the critic
+    else:
+        # one more value (0) for the filler sequence a context-parallel micro-batch may end with
+        adv_seq = inputs.adv_seq
+        values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
+        adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
+    clip = {"eps_clip": cfg.eps_clip, "eps_clip_higher": cfg.eps_clip_higher}
+    if cfg.use_decoupled_loss:
+        if run.n_minibatches == 1:  # this forward's weights are the proximal ones
+            proximal = logp.detach()
+        else:
+            proximal = inputs.prox[m][j] if inputs.prox is not None else t["logprobs"]
+        loss_tok, lstats = losses.decoupled_ppo_loss(
+            logp, proximal, t["logprobs"], adv, mask,
+            behav_imp_weight_cap=cfg.behav_imp_weight_cap, **clip,
+        )  # fmt: skip
+    else:
+        loss_tok, lstats = losses.ppo_policy_loss(logp, t["logprobs"], adv, mask, **clip)
+    if inputs.ref is not None:
+        kl = losses.kl_penalty(logp, inputs.ref[m][j], mask, cfg.kl_ctl, cfg.kl_estimator)
+        loss_tok = loss_tok + kl
+        run.stats.add("kl_sum", (kl.detach() / cfg.kl_ctl).sum())
+    loss = losses.aggregate_loss(
+        loss_tok, mask, normalizer, cfg.loss_agg_mode, t["seq_ids"], t["seq_counts"]
+    )
+    return loss, lstats
+
+
+def _step_stats(
+    run: _StepRun,
+    grad_norms: list[float],
+    critic_norms: list[float],
+    optimizer: torch.optim.Optimizer,
+    critic: ValueModel | None,
+) -> dict[str, float]:
+    """The step's figures: the plans' counts, then every sum reduced once."""
+    stats = run.stats
+    for plan in run.plans:
         stats.add("padding_fraction_sum", plan.padding_fraction)
         stats.add("replanned_shards", plan.replanned)
         stats.add("empty_micro_batches", sum(1 for mb in plan.micro_batches if not mb))
-    beat("reduce stats")
-    out = stats.reduce(layout.stats_group)
-    result = {}
-    if critic is not None:
-        result = critic.finish_stats(out, critic_norms, len(critic_norms))
-        result["critic_lr"] = critic.optimizer.param_groups[0]["lr"]
-    result.update(
-        _finish_stats(out, grad_norms, batch, layout.data_world, n_minibatches, optimizer)
-    )
+    run.beat("reduce stats")
+    out = stats.reduce(run.layout.stats_group)
+    result = critic.finish_stats(out, critic_norms) if critic is not None else {}
+    world = run.layout.data_world
+    result.update(_finish_stats(out, grad_norms, run.batch, world, run.n_minibatches, optimizer))
     return result
 
 
@@ -445,23 +539,23 @@ def is_on_policy(batch: RolloutBatch, version: int) -> bool:
 
 @torch.no_grad()
 def _no_grad_logprobs(
-    model, batch, shards, plans, temperature, beat: Beat, name: str, layout: StepLayout
+    model: nn.Module, run: _StepRun, name: str
 ) -> list[list[torch.Tensor | None]]:
     """Logprobs of every micro-batch under `model` as it is now: the proximal policy
     (current weights before this step's update, for decoupled PPO) or the reference."""
     out = []
-    for m, (shard, plan) in enumerate(zip(shards, plans, strict=True)):
+    for m, (shard, plan) in enumerate(zip(run.shards, run.plans, strict=True)):
         row: list[torch.Tensor | None] = []
         for j, mb in enumerate(plan.micro_batches):
-            beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(plans)))
+            run.beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(run.plans)))
             if mb:
                 seqs = [shard[i] for i in mb]
                 logp, _, _ = forward_logprobs(
-                    model, batch, seqs, temperature, layout, entropy=False
+                    model, run.batch, seqs, run.temperature, run.layout, entropy=False
                 )
                 row.append(logp)
             else:
-                empty_forward(model, layout)
+                empty_forward(model, run.layout)
                 row.append(None)
         out.append(row)
     return out

@@ -139,6 +139,20 @@ def torchrun_target(nproc: int, *target: str, timeout: float = 300) -> subproces
     return result
 
 
+def layout_args(allocation: str) -> list[str]:
+    """The trainer's --dp/--cp/--tp for the train side of `allocation`, as the launcher
+    passes them (the trainer never parses the allocation string)."""
+    from areal_cli.config.allocation import parse_allocation
+
+    train = parse_allocation(allocation).train
+    dp, cp, tp = (
+        train.data_parallel_size,
+        train.context_parallel_size,
+        train.tensor_parallel_size,
+    )
+    return ["--dp", str(dp), "--cp", str(cp), "--tp", str(tp)]
+
+
 def torchrun(
     nproc: int, config: Path, *args: str, timeout: float = 300
 ) -> subprocess.CompletedProcess:

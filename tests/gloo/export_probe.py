@@ -12,14 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areal_cli.config.allocation import parse_allocation
 from areal_cli.config.loader import load_config
 from areal_cli.rundir import handoff
 from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.process import exit_without_teardown
 from areal_cli.trainer import checkpoint
-from areal_cli.trainer.main import build_optimizer
 from areal_cli.trainer.mesh import build_mesh, step_layout
 from areal_cli.trainer.parallelize import build_sharded_model
+from areal_cli.trainer.state import build_optimizer
 from areal_cli.trainer.step import train_step
 
 
@@ -27,7 +28,7 @@ def main() -> None:
     config, batches, out = (Path(a) for a in sys.argv[1:4])
     cfg = load_config(config).config
     dist.init_process_group("gloo")
-    mesh = build_mesh("cpu", cfg.allocation_mode)
+    mesh = build_mesh("cpu", parse_allocation(cfg.allocation_mode).train)
     model_dir = Path(cfg.model.path)
     model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp)
     optimizer, scheduler = build_optimizer(model, cfg)
@@ -41,7 +42,7 @@ def main() -> None:
         parts = [torch.empty_like(logits) for _ in range(mesh.tp)]
         dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group())
         logits = torch.cat(parts, dim=-1)
-    checkpoint.export_hf(out, "v1", 1, model, model_dir)
+    checkpoint.Checkpointer().export_hf(out, "v1", 1, model, model_dir)
     if dist.get_rank() == 0:
         torch.save({"probe": probe, "logits": logits}, out / "trainer_logits.pt")
     dist.barrier()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from areal_cli.config.allocation import parse_allocation
 from areal_cli.config.loader import load_config
 from areal_cli.rundir import handoff
 from areal_cli.rundir.batch import read_batch
@@ -33,7 +34,7 @@ def main() -> None:
     config, batches, out = (Path(a) for a in sys.argv[1:4])
     cfg = load_config(config).config
     dist.init_process_group("gloo")
-    mesh = build_mesh("cpu", cfg.allocation_mode)
+    mesh = build_mesh("cpu", parse_allocation(cfg.allocation_mode).train)
     model = build_sharded_model(Path(cfg.model.path), mesh, cfg.actor.fsdp)
     layout = step_layout(mesh, model.get_output_embeddings().weight.shape[0])
     batch = read_batch(handoff.read_entry(batches / "step-1"))

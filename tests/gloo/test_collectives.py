@@ -47,7 +47,16 @@ def _skewed_batch(directory: Path, n_long: int, n_short: int, vocab: int = 96) -
     return directory
 
 
-def _run(tmp_path: Path, name: str, nproc: int, model: Path, batches: Path, **extra) -> Path:
+def _run(
+    tmp_path: Path,
+    name: str,
+    nproc: int,
+    model: Path,
+    batches: Path,
+    layout: tuple[str, ...] = (),
+    **extra,
+) -> Path:
+    """One step on `batches` with `nproc` ranks (`layout`: the trainer's --dp/--cp/--tp)."""
     fileroot = tmp_path / name
     cfg = write_config(
         tmp_path / f"{name}.yaml",
@@ -64,7 +73,7 @@ def _run(tmp_path: Path, name: str, nproc: int, model: Path, batches: Path, **ex
             **extra,
         },
     )
-    torchrun(nproc, cfg, "--batches", str(batches), timeout=240)
+    torchrun(nproc, cfg, "--batches", str(batches), *layout, timeout=240)
     return fileroot / "gloo" / "t"
 
 

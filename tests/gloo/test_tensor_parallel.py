@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gloo.conftest import make_model, torchrun_target, write_config
+from tests.gloo.conftest import layout_args, make_model, torchrun_target, write_config
 from tests.gloo.test_collectives import _record, _run, _skewed_batch, _weights
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
@@ -47,7 +47,10 @@ def test_step_matches_one_rank(
     batches = _skewed_batch(tmp_path / "batches", 4, 4, vocab=97)
     extra = {"actor.loss_agg_mode": agg}
     single = _run(tmp_path, "single", 1, tp_model, batches, **extra)
-    split = _run(tmp_path, "split", nproc, tp_model, batches, allocation_mode=allocation, **extra)
+    layout = tuple(layout_args(allocation))
+    split = _run(
+        tmp_path, "split", nproc, tp_model, batches, layout, allocation_mode=allocation, **extra
+    )
     a, b = _record(single), _record(split)
     for key in ("loss", "kl", "entropy", "imp_weight_mean", "clip_frac"):
         assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -117,7 +120,7 @@ def test_a_data_parallel_checkpoint_resumes_in_another_layout(
     moved = write_config(
         tmp_path / "moved.yaml", tp_model, tmp_path / "resumed", allocation_mode=allocation, **extra
     )
-    torchrun(nproc, moved, "--batches", str(batches), "--resume")
+    torchrun(nproc, moved, "--batches", str(batches), "--resume", *layout_args(allocation))
     straight, resumed = _metrics(runs["d2"][1]), _metrics(runs["resumed"][1])
     assert [m["step"] for m in resumed] == [1, 2, 3]
     assert resumed[2]["loss"] == pytest.approx(straight[2]["loss"], abs=1e-5)

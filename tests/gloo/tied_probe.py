@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from areal_cli.config.allocation import parse_allocation
 from areal_cli.config.schema import FSDPEngineConfig
 from areal_cli.rundir.process import exit_without_teardown
 from areal_cli.trainer.mesh import build_mesh
@@ -23,7 +24,7 @@ def main() -> None:
     model_dir = Path(sys.argv[1])
     allocation = sys.argv[2] if len(sys.argv) > 2 else "embedded:d1+fsdp:d2"
     dist.init_process_group("gloo")
-    mesh = build_mesh("cpu", allocation)
+    mesh = build_mesh("cpu", parse_allocation(allocation).train)
     model = build_sharded_model(model_dir, mesh, FSDPEngineConfig())
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tie lost"
     probe = torch.arange(16).unsqueeze(0)

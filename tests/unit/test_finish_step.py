@@ -3,7 +3,6 @@ two must lose the entry, which the resume redoes, never the line)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_cli.trainer import main as trainer_main
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rundir.heartbeat import Heartbeat
+from areal_cli.rundir.paths import RunDir
+from areal_cli.rundir.records import TrainerStep
+from areal_cli.trainer import state as trainer_state
 
 
 class Killed(Exception):
@@ -30,17 +33,22 @@ def one_rank(tmp_path: Path):
 def test_the_line_is_written_before_the_recover_entry(tmp_path, one_rank, monkeypatch) -> None:
     def save_recover(*args, **kwargs):
         line = (tmp_path / "logs" / "trainer-metrics.jsonl").read_text()
-        assert json.loads(line)["step"] == 2
+        assert TrainerStep.from_json(line).step == 2
         raise Killed  # the process dies while it writes the entry
 
-    monkeypatch.setattr(trainer_main.checkpoint, "save_recover", save_recover)
-    cfg = SimpleNamespace(
-        recover=SimpleNamespace(freq_steps=2, keep_last=1), saver=SimpleNamespace(freq_steps=0)
-    )
-    scheduler = SimpleNamespace(state_dict=lambda: {})
-    beat = SimpleNamespace(phase=lambda _: None, steps_done=1)
+    monkeypatch.setattr(trainer_state, "save_recover", save_recover)
+    cfg = ExperimentConfig()
+    cfg.recover.freq_steps, cfg.saver.freq_steps = 2, 0
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    run = RunDir(tmp_path)
+    actor = trainer_state.Trainable(model, optimizer, scheduler, tmp_path, run.checkpoints)
+    beat = Heartbeat(tmp_path, "trainer-0")
+    beat.steps_done = 1
+    state = trainer_state.TrainerState(cfg, run, beat, None, None, actor)  # no mesh needed
     with pytest.raises(Killed):
-        trainer_main.finish_step(2, cfg, tmp_path, None, None, scheduler, None, {"step": 2}, beat)
+        state.finish_step(TrainerStep(step=2, train_s=0.1, figures={"loss": 0.5}))
     assert beat.steps_done == 1  # step 2 (due for recover every 2 steps) not counted as done
 
 

@@ -13,8 +13,9 @@ from areal_cli.trainer import attention
 
 def _attend(q, k, v, lengths: list[int]) -> torch.Tensor:
     ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    with attention.micro_batch(None, 1, ids):
-        out, _ = attention.packed_attention(None, q, k, v, None, scaling=0.25)
+    packed = attention.PackedAttention()
+    with packed.micro_batch(None, 1, ids):
+        out, _ = packed(None, q, k, v, None, scaling=0.25)
     return out
 
 
