@@ -1,6 +1,6 @@
 """The weight sync of the rollout loop (areal_cli.rollout.sync), without processes: the real
 InferenceClient talks to in-process HTTP servers on loopback that answer the SGLang routes
-the sync uses (/update_weights_from_disk, /model_info), and the weights entries are real
+the sync uses (/update_weights_from_disk, /model_info, /health), and the weights entries are real
 handoff entries in a real RUN/weights/."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from aiohttp import web
 
 from areal_cli.inference.client import InferenceClient, WeightUpdateFailed
 from areal_cli.rollout.errors import RunFailed
+from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.state import LoopState
 from areal_cli.rollout.sync import WeightSync
 from areal_cli.rundir import handoff
@@ -50,6 +51,9 @@ class SGLangRoutes:
             answer["weight_version"] = self.version
         return web.json_response(answer)
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
     async def model_info(self, request: web.Request) -> web.Response:
         self.model_info_calls += 1
         return web.json_response({"model_path": "/m", "weight_version": self.version})
@@ -64,6 +68,7 @@ async def loop_with_servers(n: int, run_dir: Path) -> AsyncIterator[tuple[Weight
         app = web.Application()
         app.router.add_post("/update_weights_from_disk", routes.update_weights_from_disk)
         app.router.add_get("/model_info", routes.model_info)
+        app.router.add_get("/health", routes.health)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
@@ -183,5 +188,24 @@ def test_a_refused_load_fails_unless_the_trainer_collected_the_entry(tmp_path: P
             v2 = publish(tmp_path, 2)
             assert await sync.load_newest()  # ... and load the newer one
             assert servers[0].loaded == [str(v2)] and sync.state.version == 2
+
+    run(test)
+
+
+def test_a_restarted_server_comes_back_on_the_version_the_others_hold(tmp_path: Path) -> None:
+    async def test() -> None:
+        async with loop_with_servers(2, tmp_path) as (sync, servers):
+            v1 = publish(tmp_path, 1)
+            assert await sync.load_newest()
+            recovery = ServerRecovery(sync.client, sync.weights_dir, sync.state, 5.0)
+            address = sync.client.servers[1].address
+            recovery.down(address)  # its process died; the launcher restarts it
+            servers[1].version = "0"  # the new process starts from the initial model
+            v2 = publish(tmp_path, 2)
+            assert await sync.load_newest()  # the live server only
+            assert servers[0].loaded == [str(v1), str(v2)] and servers[1].loaded == [str(v1)]
+            assert await recovery.up(address, check=lambda: None) == 2
+            assert servers[1].loaded == [str(v1), str(v2)] and servers[1].version == "2"
+            assert not sync.client.servers[1].down and sync.state.version == 2
 
     run(test)
