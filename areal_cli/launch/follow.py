@@ -13,41 +13,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from areal_cli.rollout.controller import StepSink, read_new_lines, steps_in
+from areal_cli.rollout.metrics import read_new_lines, steps_in
+from areal_cli.rollout.state import StepSink
 from areal_cli.rundir.paths import RunDir
-
-# trainer figures that metrics.jsonl carries for a supervised role
-FOLLOWED_KEYS = (
-    "loss",
-    "nll",
-    "eval_loss",
-    "eval_loss_initial",
-    "accuracy",
-    "margin",
-    "chosen_score",
-    "pairs",
-    "eval_accuracy",
-    "eval_accuracy_initial",
-    "grad_norm",
-    "tokens",
-    "loss_tokens",
-    "lr",
-    "empty_micro_batches",
-    "activation_bytes",
-    "peak_rss_mb",
-    "state_mb",
-)
+from areal_cli.rundir.records import SUPERVISED_FIGURES, TrainerStep
 
 
-def supervised_metrics(trainer: dict[str, Any]) -> dict[str, Any]:
-    """One metrics.jsonl line from one trainer line."""
-    out = {"step": trainer["step"]}
-    out.update({k: trainer[k] for k in FOLLOWED_KEYS if k in trainer})
-    out["trainer_step_s"] = trainer["train_s"]
+def supervised_metrics(trainer: TrainerStep) -> dict[str, Any]:
+    """One metrics.jsonl line from one trainer record."""
+    out: dict[str, Any] = {"step": trainer.step}
+    out.update(trainer.pick(SUPERVISED_FIGURES))
+    out["trainer_step_s"] = trainer.train_s
     out["time"] = time.time()
     return out
 
@@ -58,7 +38,7 @@ async def follow_trainer(
     *,
     until_trainer_done: Callable[[], Awaitable[None]],
     guards: list[Awaitable[None]],
-    counters: dict[str, int] | None = None,
+    counters: Mapping[str, int] | None = None,
     poll_s: float = 0.1,
 ) -> None:
     """Relay the trainer's lines until it exits cleanly (see the module docstring)."""
@@ -71,13 +51,13 @@ async def follow_trainer(
         nonlocal offset
         lines, offset = read_new_lines(source, offset)
         for line in lines:
-            record = json.loads(line)
-            if record["step"] in done:
+            record = TrainerStep.from_json(line)
+            if record.step in done:
                 continue
-            metrics = supervised_metrics(record) | (counters or {})
+            metrics = supervised_metrics(record) | dict(counters or {})
             with open(target, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-            done.add(record["step"])
+            done.add(record.step)
             sink.step(metrics)
 
     sink.status("training (no inference server)")

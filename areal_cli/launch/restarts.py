@@ -28,13 +28,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.launch.local import ChildFailed, LocalRunner
 from areal_cli.rundir import handoff, heartbeat
 from areal_cli.rundir.disk import diagnose
 from areal_cli.rundir.layout import trim_after
 from areal_cli.rundir.paths import STEP_PREFIX, RunDir
+
+if TYPE_CHECKING:
+    from areal_cli.rollout.recovery import ServerRecovery
 
 
 class RestartBudget:
@@ -106,7 +109,7 @@ class Restarter:
         self.on_restart()
         return start
 
-    async def server(self, failed: ChildFailed, recovery: Any, address: str) -> None:
+    async def server(self, failed: ChildFailed, recovery: ServerRecovery, address: str) -> None:
         """Restart a server that died and bring it back into the loop (ServerRecovery);
         raises `failed` past the limit."""
         name = failed.child.spec.name

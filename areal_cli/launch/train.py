@@ -24,21 +24,26 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.loader import LoadedConfig, to_yaml
-from areal_cli.config.schema import SUPERVISED
+from areal_cli.config.schema import SUPERVISED, ExperimentConfig
 from areal_cli.launch import runs
 from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
 from areal_cli.launch.restarts import Restarter
 from areal_cli.launch.watchdog import RunStuck, watch
-from areal_cli.rollout.controller import ServerAddress, run_loop, steps_in
+from areal_cli.rollout.controller import LoopHooks, RolloutData, ServerAddress, run_loop
+from areal_cli.rollout.metrics import steps_in
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
 from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
 from areal_cli.rundir.paths import VERSION_PREFIX, RunDir, step_name
+
+if TYPE_CHECKING:
+    from areal_cli.metrics.display import Sink
 
 
 def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]) -> Path:
@@ -54,8 +59,10 @@ def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]
 
 
 def read_data(
-    cfg: Any, warn: Callable[[str], None], say: Callable[[str], None] = lambda line: None
-) -> tuple[list, Any] | None:
+    cfg: ExperimentConfig,
+    warn: Callable[[str], None],
+    say: Callable[[str], None] = lambda line: None,
+) -> RolloutData | None:
     """The rollout's prompts and the tokenizer that made them (None for a supervised role,
     whose trainer reads its data), with every bad row settled by on_bad_row: skipped with
     a warning, or DatasetError. A supervised role's files are checked line by line here
@@ -80,7 +87,7 @@ def read_data(
     else:
         source = cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)
-    return load_dataset_prompts(tokenizer, cfg.dataset, warn), tokenizer
+    return RolloutData(load_dataset_prompts(tokenizer, cfg.dataset, warn), tokenizer)
 
 
 def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:
@@ -91,7 +98,16 @@ def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:
     return argv
 
 
-def _loop(loaded, run_dir, servers, start_step, sink, data, restarter: Restarter):
+def _loop(
+    loaded: LoadedConfig,
+    run_dir: Path,
+    servers: list[ServerAddress],
+    start_step: int,
+    sink: Sink,
+    data: RolloutData | None,
+    restarter: Restarter,
+    allocation: AllocationMode,
+) -> Awaitable[None]:
     """The controller's loop from `start_step`: the rollout loop, or for a supervised role
     the follower of the trainer's lines."""
     cfg = loaded.config
@@ -108,23 +124,29 @@ def _loop(loaded, run_dir, servers, start_step, sink, data, restarter: Restarter
             ],
             counters=restarter.counters,
         )
+    if data is None or allocation.inference_backend is None:  # check_config rules it out
+        raise ValueError(f"algorithm: {cfg.algorithm} needs prompts and an inference server")
     names = {s.address: s.name for s in servers}
     addresses = {s.name: s.address for s in servers}
 
     async def restart_server(failed: ChildFailed, recovery: ServerRecovery) -> None:
         await restarter.server(failed, recovery, addresses[failed.child.spec.name])
 
+    hooks = LoopHooks(
+        check_children=lambda: runner.check(allow_exit={"trainer"}),
+        until_trainer_done=lambda recovery: _trainer_done(runner, recovery, restart_server),
+        guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
+        counters=restarter.counters,
+    )
     return run_loop(
         loaded,
         run_dir,
         servers,
         start_step,
         sink,
-        *data,
-        check_children=lambda: runner.check(allow_exit={"trainer"}),
-        until_trainer_done=lambda recovery: _trainer_done(runner, recovery, restart_server),
-        guards=lambda client, state: [watch(cfg, run_dir, client, names, state.describe)],
-        counters=restarter.counters,
+        data,
+        backend=allocation.inference_backend,
+        hooks=hooks,
     )
 
 
@@ -168,7 +190,7 @@ def _resume_line(run_dir: Path, start_step: int, total: int) -> str:
     )
 
 
-def make_runner(cfg: Any, plan: LaunchPlan) -> LocalRunner:
+def make_runner(cfg: ExperimentConfig, plan: LaunchPlan) -> LocalRunner:
     """Subprocesses here, job steps inside a Slurm allocation, or Ray actors."""
     if plan.launcher == "slurm":
         from areal_cli.launch.slurm import SlurmRunner
@@ -181,7 +203,9 @@ def make_runner(cfg: Any, plan: LaunchPlan) -> LocalRunner:
     return LocalRunner()
 
 
-def server_addresses(cfg: Any, plan: LaunchPlan, runner: LocalRunner) -> list[ServerAddress]:
+def server_addresses(
+    cfg: ExperimentConfig, plan: LaunchPlan, runner: LocalRunner
+) -> list[ServerAddress]:
     """Where the servers listen: 127.0.0.1 for the local launcher; under a cluster
     launcher, what each server's step wrote in RUN/registry/ (waited for)."""
     specs = [p for p in plan.processes if p.role.startswith("inference")]
@@ -201,7 +225,9 @@ def server_addresses(cfg: Any, plan: LaunchPlan, runner: LocalRunner) -> list[Se
     ]
 
 
-def _prepare(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) -> tuple | None:
+def _prepare(
+    loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Sink
+) -> tuple[int, RolloutData | None] | None:
     """Read the data and prepare the run directory (a resume forgets the steps it redoes);
     returns the first step and the data, or None when the run has nothing left to do."""
     cfg = loaded.config
@@ -231,11 +257,12 @@ def _prepare(loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any) ->
 def _start_and_train(
     loaded: LoadedConfig,
     plan: LaunchPlan,
+    allocation: AllocationMode,
     runner: LocalRunner,
     resume: bool,
-    sink: Any,
+    sink: Sink,
     start_step: int,
-    data: Any,
+    data: RolloutData | None,
 ) -> None:
     """Start every process of the plan, then run the loop to the last step, relaunching
     the trainer when it dies (within launcher.restarts); raises what stops the run."""
@@ -249,7 +276,7 @@ def _start_and_train(
     restarter = Restarter(runner, cfg.launcher.restarts, sink)
     restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
     while True:
-        loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter)
+        loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter, allocation)
         try:
             asyncio.run(loop)
             break
@@ -263,11 +290,18 @@ def _start_and_train(
 
 
 def run_training(
-    loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Any, resume_command: str = ""
+    loaded: LoadedConfig,
+    plan: LaunchPlan,
+    resume: bool,
+    sink: Sink,
+    resume_command: str = "",
+    *,
+    allocation: AllocationMode,
 ) -> int:
     """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
     that cannot be used raises DatasetError before anything is written or started.
-    `resume_command` (the command line that continues the run) is shown after a stop."""
+    `resume_command` (the command line that continues the run) is shown after a stop;
+    `allocation` is the checked config's parsed allocation_mode."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
     resume_command = resume_command or "areal train RECIPE --resume"
@@ -292,7 +326,7 @@ def run_training(
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, areal stop, a closed terminal
     previous = {s: signal.signal(s, on_signal) for s in stops}
     try:
-        _start_and_train(loaded, plan, runner, resume, sink, start_step, data)
+        _start_and_train(loaded, plan, allocation, runner, resume, sink, start_step, data)
         return 0
     except KeyboardInterrupt:  # a stop that was asked for: not an error
         name = signal.Signals(interrupted["signal"] or signal.SIGINT).name

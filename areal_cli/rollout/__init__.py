@@ -1,1 +1,2 @@
-"""Rollout side: prompt datasets, prompt formatting, and reward functions run in worker processes."""
+"""Rollout side: the controller's loop in parts (gate, groups, batch, sync, metrics, wired
+by controller.py; see rollout.state), server recovery, episode workflows and rewards."""

@@ -20,27 +20,36 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_cli.rollout.errors import RunFailed
+from areal_cli.rollout.state import LoopState
 from areal_cli.rundir import handoff
-from areal_cli.rundir.paths import VERSION_PREFIX, RunDir
+from areal_cli.rundir.paths import VERSION_PREFIX
+
+if TYPE_CHECKING:
+    from areal_cli.inference.client import InferenceClient
 
 
 class ServerRecovery:
-    """`down` and `up` of the module docstring for one running loop."""
+    """`down` and `up` of the module docstring for one running loop: its client, the
+    weights/ it loads from and its state (the servers' version and the weights lock)."""
 
-    def __init__(self, ctx: Any, state: Any, startup_timeout_s: float) -> None:
-        self.ctx, self.state, self.timeout_s = ctx, state, startup_timeout_s
+    def __init__(
+        self, client: InferenceClient, weights_dir: Path, state: LoopState, startup_timeout_s: float
+    ) -> None:
+        self.client, self.weights_dir = client, weights_dir
+        self.state, self.timeout_s = state, startup_timeout_s
 
     def down(self, address: str) -> None:
-        self.ctx.inference.set_down(address)
+        self.client.set_down(address)
 
     async def up(self, address: str, check: Callable[[], None]) -> int:
         """Wait for the new process (`check` raises if it died again), load the current
         weights and route to it again; returns the version it holds (0: the initial
         model, -1: none known yet after a resume, which the loop loads on every server)."""
-        client = self.ctx.inference
+        client = self.client
         deadline = time.monotonic() + self.timeout_s
         while not await client.healthy(address):
             check()
@@ -51,7 +60,7 @@ class ServerRecovery:
         async with self.state.weights_lock:
             version = self.state.version
             if version > 0:
-                entries = handoff.list_entries(RunDir(self.ctx.run_dir).weights, VERSION_PREFIX)
+                entries = handoff.list_entries(self.weights_dir, VERSION_PREFIX)
                 entry = next((e for e in entries if e.version == version), None)
                 if entry is None:  # collected already: the newest, which all load next
                     entry = entries[-1]

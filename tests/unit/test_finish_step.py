@@ -55,7 +55,7 @@ def test_the_line_is_written_before_the_recover_entry(tmp_path, one_rank, monkey
 def test_a_restarted_controller_takes_a_steps_rollout_figures_from_its_batch(tmp_path) -> None:
     """A controller killed between writing step N's batch and step N's metrics line:
     the next one writes the line with N's reward figures, read from the batch entry."""
-    from areal_cli.rollout.controller import _stored_stats
+    from areal_cli.rollout.batch import stored_stats
     from areal_cli.rundir.batch import RolloutBatch, write_batch
 
     batch = RolloutBatch(
@@ -69,12 +69,13 @@ def test_a_restarted_controller_takes_a_steps_rollout_figures_from_its_batch(tmp
     )
     stats = {"reward_mean": 0.75, "staleness_mean": 1.0}
     write_batch(tmp_path / "rollouts", 9, batch, {"data_state": {}, "stats": stats})
-    assert _stored_stats(tmp_path, 9) == stats
-    assert _stored_stats(tmp_path, 10) == {}  # no batch: the line has the trainer's part
+    assert stored_stats(tmp_path, 9) == stats
+    assert stored_stats(tmp_path, 10) == {}  # no batch: the line has the trainer's part
 
 
 def test_gen_tokens_per_s_is_tokens_over_busy_time_of_the_last_batches() -> None:
-    from areal_cli.rollout.controller import GEN_RATE_WINDOW, LoopState, gen_rate
+    from areal_cli.rollout.batch import gen_rate
+    from areal_cli.rollout.state import GEN_RATE_WINDOW, LoopState
 
     state = LoopState(version=0, next_step=1)
     client = SimpleNamespace(generated_tokens=0, busy_s=lambda: 0.0)

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_cli.rollout.controller import Group, LoopState, _assemble_batch, _restore_stream
+from areal_cli.rollout.batch import restore_stream, take_fresh
 from areal_cli.rollout.gate import StalenessGate
+from areal_cli.rollout.state import Group, LoopState
 from areal_cli.rollout.workflows import Trajectory
 
 
@@ -71,20 +72,35 @@ def _group(*versions: int, start: int) -> Group:
     return Group(trajectories, start_version=start, prompt_index=0)
 
 
-def _ctx(max_staleness: int, batch_size: int = 2):
-    cfg = SimpleNamespace(rollout=SimpleNamespace(batch_size=batch_size))
-    gate = StalenessGate(batch_size=batch_size, max_staleness=max_staleness, total_steps=10)
-    return SimpleNamespace(cfg=cfg, gate=gate)
+def _gate(max_staleness: int, batch_size: int = 2) -> StalenessGate:
+    return StalenessGate(batch_size=batch_size, max_staleness=max_staleness, total_steps=10)
 
 
 def test_a_group_with_one_stale_episode_is_dropped_whole_and_counted() -> None:
-    ctx = _ctx(max_staleness=1)
     state = LoopState(version=3, next_step=4)
     # a partial group: one episode resumed on v3, one still carries v1's tokens
     state.ready = deque([_group(3, 1, start=3), _group(3, 3, start=3)])
-    assert not _assemble_batch(ctx, state)  # one fresh group is not a batch of 2
+    assert take_fresh(_gate(max_staleness=1), state, batch_size=2) is None  # 1 is not 2
     assert state.dropped_stale == 1
     assert len(state.ready) == 1 and state.next_step == 4
+
+
+def test_a_group_started_on_old_weights_is_stale_even_if_its_tokens_are_new() -> None:
+    state = LoopState(version=3, next_step=4)
+    started_on_v1, started_on_v2 = _group(3, start=1), _group(3, start=2)
+    state.ready = deque([started_on_v1, started_on_v2])
+    assert take_fresh(_gate(max_staleness=1), state, batch_size=1) == [started_on_v2]
+    assert state.dropped_stale == 1 and not state.ready
+
+
+def test_fresh_groups_beyond_the_batch_wait_for_the_next_one_in_order() -> None:
+    state = LoopState(version=0, next_step=1)
+    groups = [_group(0, start=0) for _ in range(5)]
+    for g, index in zip(groups, range(5), strict=True):
+        g.prompt_index = index
+    state.ready = deque(groups)
+    assert take_fresh(_gate(max_staleness=4), state, batch_size=2) == groups[:2]
+    assert list(state.ready) == groups[2:] and state.dropped_stale == 0
 
 
 def test_a_failed_rollout_stops_the_loop_by_name() -> None:
@@ -93,7 +109,7 @@ def test_a_failed_rollout_stops_the_loop_by_name() -> None:
     state = LoopState(version=0, next_step=1)
     state.ready = deque([ValueError("reward worker crashed")])
     with pytest.raises(RunFailed, match="a rollout failed: reward worker crashed"):
-        _assemble_batch(_ctx(max_staleness=0), state)
+        take_fresh(_gate(max_staleness=0), state, batch_size=2)
 
 
 def test_a_resumed_loop_takes_the_dataset_position_saved_with_the_last_batch(tmp_path) -> None:
@@ -114,7 +130,7 @@ def test_a_resumed_loop_takes_the_dataset_position_saved_with_the_last_batch(tmp
         write_batch(tmp_path / "rollouts", step, batch, {"data_state": {"position": 10 * step}})
     loaded = []
     stream = SimpleNamespace(load_state_dict=loaded.append)
-    _restore_stream(stream, Path(tmp_path), start_step=3)  # recover/step-2: go on at 3
+    restore_stream(stream, Path(tmp_path), start_step=3)  # recover/step-2: go on at 3
     assert loaded == [{"position": 20}]
-    _restore_stream(stream, Path(tmp_path), start_step=1)  # a fresh start restores nothing
+    restore_stream(stream, Path(tmp_path), start_step=1)  # a fresh start restores nothing
     assert loaded == [{"position": 20}]

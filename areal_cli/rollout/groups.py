@@ -1,0 +1,88 @@
+"""The rollouts task of the loop: start groups of episodes as the staleness gate allows, and
+write each batch (areal_cli.rollout.batch) as soon as enough fresh groups are ready.
+
+A group is `group_size` episodes of one prompt, run concurrently, each with its own
+sampling seed, drawn from the run's seed and the group's index, so a resumed run draws
+what an unbroken run would have drawn (StalenessGate.group_index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from areal_cli.rollout.batch import assemble_batch
+from areal_cli.rollout.state import Group, LoopState, RolloutContext
+from areal_cli.rollout.workflows import EpisodeClient
+
+if TYPE_CHECKING:
+    from areal_cli.data.prompts import Prompt
+
+
+async def run_group(
+    ctx: RolloutContext, prompt: Prompt, group_index: int, start_version: int
+) -> Group:
+    """`group_size` episodes of one prompt, concurrently, each with its own sampling seed."""
+    cfg = ctx.cfg
+    sample = {
+        "prompt_ids": prompt.input_ids,
+        "answer": prompt.answer,
+        "row": prompt.row,
+        "index": prompt.index,
+    }
+    episodes = []
+    for i in range(cfg.rollout.group_size):
+        seed = (cfg.seed * 1_000_003 + group_index * 997 + i * 31) % (2**31)
+        client = EpisodeClient(ctx.inference, ctx.tokenizer, cfg.gconfig, ctx.rewards, seed)
+        episodes.append(ctx.workflow(client, sample))
+    return Group(list(await asyncio.gather(*episodes)), start_version, prompt.index)
+
+
+async def rollout_task(ctx: RolloutContext, state: LoopState) -> None:
+    """Launch groups as the gate allows; assemble and write batches in order."""
+    tasks: set[asyncio.Task[Group]] = set()
+    group_index = ctx.gate.group_index(state.next_step)
+    try:
+        while state.next_step <= ctx.gate.total_steps:
+            while ctx.gate.may_launch(
+                state.version, state.next_step, state.in_flight, len(state.ready)
+            ):
+                prompt = ctx.stream.next_batch(1)[0]
+                task = asyncio.create_task(run_group(ctx, prompt, group_index, state.version))
+                group_index += 1
+                state.in_flight += 1
+                tasks.add(task)
+                task.add_done_callback(lambda t, s=state: _on_group_done(t, s, tasks))
+            if assemble_batch(ctx, state):
+                continue
+            idle = state.in_flight == 0  # nothing running: we wait on the trainer's weights
+            waited = time.perf_counter()
+            state.group_done.clear()
+            state.version_changed.clear()
+            await _wait_any(state.group_done, state.version_changed)
+            if idle:
+                state.gate_wait_s += time.perf_counter() - waited
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _on_group_done(
+    task: asyncio.Task[Group], state: LoopState, tasks: set[asyncio.Task[Group]]
+) -> None:
+    tasks.discard(task)
+    state.in_flight -= 1
+    if not task.cancelled():
+        error = task.exception()
+        state.ready.append(error if error is not None else task.result())
+    state.group_done.set()
+
+
+async def _wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
