@@ -153,7 +153,7 @@ def train(
         code = 1
         try:
             sink = make_sink(loaded.config, Path(plan.run_dir))
-            code = run_training(loaded, plan, resume, sink, again, allocation=result.allocation)
+            code = run_training(loaded, plan, resume, sink, again)
         finally:  # run.json never says running once this controller has gone
             runs.end_record(Path(plan.run_dir), code)
     except FileExistsError as exc:

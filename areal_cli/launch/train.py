@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.loader import LoadedConfig, to_yaml
 from areal_cli.config.schema import SUPERVISED, ExperimentConfig
 from areal_cli.launch import runs
@@ -106,7 +105,7 @@ def _loop(
     sink: Sink,
     data: RolloutData | None,
     restarter: Restarter,
-    allocation: AllocationMode,
+    backend: str | None,
 ) -> Awaitable[None]:
     """The controller's loop from `start_step`: the rollout loop, or for a supervised role
     the follower of the trainer's lines."""
@@ -124,7 +123,7 @@ def _loop(
             ],
             counters=restarter.counters,
         )
-    if data is None or allocation.inference_backend is None:  # check_config rules it out
+    if data is None or backend is None:  # check_config rules it out
         raise ValueError(f"algorithm: {cfg.algorithm} needs prompts and an inference server")
     names = {s.address: s.name for s in servers}
     addresses = {s.name: s.address for s in servers}
@@ -145,7 +144,7 @@ def _loop(
         start_step,
         sink,
         data,
-        backend=allocation.inference_backend,
+        backend=backend,
         hooks=hooks,
     )
 
@@ -257,7 +256,6 @@ def _prepare(
 def _start_and_train(
     loaded: LoadedConfig,
     plan: LaunchPlan,
-    allocation: AllocationMode,
     runner: LocalRunner,
     resume: bool,
     sink: Sink,
@@ -276,7 +274,7 @@ def _start_and_train(
     restarter = Restarter(runner, cfg.launcher.restarts, sink)
     restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
     while True:
-        loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter, allocation)
+        loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter, plan.backend)
         try:
             asyncio.run(loop)
             break
@@ -295,13 +293,10 @@ def run_training(
     resume: bool,
     sink: Sink,
     resume_command: str = "",
-    *,
-    allocation: AllocationMode,
 ) -> int:
     """Run the whole training job; returns the process exit code (0, 1 or 130). A dataset
     that cannot be used raises DatasetError before anything is written or started.
-    `resume_command` (the command line that continues the run) is shown after a stop;
-    `allocation` is the checked config's parsed allocation_mode."""
+    `resume_command` (the command line that continues the run) is shown after a stop."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
     resume_command = resume_command or "areal train RECIPE --resume"
@@ -326,7 +321,7 @@ def run_training(
     stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, areal stop, a closed terminal
     previous = {s: signal.signal(s, on_signal) for s in stops}
     try:
-        _start_and_train(loaded, plan, allocation, runner, resume, sink, start_step, data)
+        _start_and_train(loaded, plan, runner, resume, sink, start_step, data)
         return 0
     except KeyboardInterrupt:  # a stop that was asked for: not an error
         name = signal.Signals(interrupted["signal"] or signal.SIGINT).name

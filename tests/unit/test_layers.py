@@ -222,3 +222,16 @@ def test_only_the_top_layers_start_the_cli() -> None:
         if LAYERS.get(own, 0) < LAYERS["launch"] and '"areal_cli.cli"' in path.read_text():
             wrong.append(str(rel))
     assert not wrong, wrong
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    """A function holds one step that can be read whole: at most 80 lines (files have no
+    cap; they are split along seams, not to a size)."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} {lines}")
+    assert not long, long
