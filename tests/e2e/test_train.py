@@ -159,19 +159,6 @@ def test_the_multi_turn_recipe_trains(tmp_path: Path) -> None:
     _assert_no_processes_left(run_dir)
 
 
-def test_synchronous_mode_never_uses_stale_samples(tmp_path: Path) -> None:
-    result = subprocess.run(
-        _args(tmp_path, 3, "rollout.max_staleness=0"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = _metrics(_run_dir(tmp_path))
-    assert len(rows) == 3 and all(r["staleness_max"] == 0 for r in rows)
-
-
 def test_resume_after_kill_9_of_the_controller(tmp_path: Path) -> None:
     args = _args(tmp_path, 6, "recover.freq_steps=1", "rollout.max_staleness=1")
     run_dir = _run_dir(tmp_path)

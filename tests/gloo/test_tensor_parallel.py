@@ -40,17 +40,59 @@ def tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("tp") / "model", vocab=97, heads=4, kv_heads=4)
 
 
+class OneRank:
+    """What one rank computes, run once per module and shared by every layout's case (the
+    model and the batches are fixed, so it is the same reference each time)."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root, self.model = root, model
+        self.steps: dict[str, Path] = {}
+        self.logprobs: dict | None = None
+        self.step_batches = _skewed_batch(root / "step-batches", 4, 4, vocab=97)
+        self.probe_batches = _skewed_batch(root / "probe-batches", 3, 4, vocab=97)
+
+    def step(self, agg: str) -> Path:
+        """The one-rank run of one step with loss_agg_mode `agg`."""
+        if agg not in self.steps:
+            extra = {"actor.loss_agg_mode": agg}
+            self.steps[agg] = _run(
+                self.root, f"single-{agg}", 1, self.model, self.step_batches, **extra
+            )
+        return self.steps[agg]
+
+    def logprob(self) -> dict:
+        """The one-rank logprobs and entropy of the probe batch."""
+        if self.logprobs is None:
+            self.logprobs = _probe(
+                self.root, "single", 1, "embedded:d1+fsdp:d1", self.model, self.probe_batches
+            )
+        return self.logprobs
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory, tp_model: Path) -> OneRank:
+    return OneRank(tmp_path_factory.mktemp("one-rank"), tp_model)
+
+
+def _probe(root: Path, name: str, n: int, allocation: str, model: Path, batches: Path) -> dict:
+    """The logprob probe's output (logp, entropy, each rank's blocks) under `allocation`."""
+    out = root / name
+    out.mkdir()
+    cfg = write_config(root / f"{name}.yaml", model, root / "runs", allocation_mode=allocation)
+    torchrun_target(
+        n, str(Path(__file__).with_name("logprob_probe.py")), str(cfg), str(batches), str(out)
+    )
+    return torch.load(out / "logprobs.pt")
+
+
 @pytest.mark.parametrize(("allocation", "nproc", "agg"), CASES, ids=CASE_IDS)
 def test_step_matches_one_rank(
-    tmp_path: Path, tp_model: Path, allocation: str, nproc: int, agg: str
+    tmp_path: Path, tp_model: Path, one_rank: OneRank, allocation: str, nproc: int, agg: str
 ) -> None:
-    batches = _skewed_batch(tmp_path / "batches", 4, 4, vocab=97)
-    extra = {"actor.loss_agg_mode": agg}
-    single = _run(tmp_path, "single", 1, tp_model, batches, **extra)
+    single = one_rank.step(agg)
     layout = tuple(layout_args(allocation))
-    split = _run(
-        tmp_path, "split", nproc, tp_model, batches, layout, allocation_mode=allocation, **extra
-    )
+    extra = {"actor.loss_agg_mode": agg, "allocation_mode": allocation}
+    split = _run(tmp_path, "split", nproc, tp_model, one_rank.step_batches, layout, **extra)
     a, b = _record(single), _record(split)
     for key in ("loss", "kl", "entropy", "imp_weight_mean", "clip_frac"):
         assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -64,19 +106,12 @@ def test_step_matches_one_rank(
 
 @pytest.mark.parametrize(("allocation", "nproc"), LAYOUTS.values(), ids=list(LAYOUTS))
 def test_logprobs_match_one_rank(
-    tmp_path: Path, tp_model: Path, allocation: str, nproc: int
+    tmp_path: Path, tp_model: Path, one_rank: OneRank, allocation: str, nproc: int
 ) -> None:
-    batches = _skewed_batch(tmp_path / "batches", 3, 4, vocab=97)
-    probe = str(Path(__file__).with_name("logprob_probe.py"))
-    found = {}
-    for name, n, alloc in (("single", 1, "embedded:d1+fsdp:d1"), ("split", nproc, allocation)):
-        out = tmp_path / name
-        out.mkdir()
-        cfg = write_config(
-            tmp_path / f"{name}.yaml", tp_model, tmp_path / "runs", allocation_mode=alloc
-        )
-        torchrun_target(n, probe, str(cfg), str(batches), str(out))
-        found[name] = torch.load(out / "logprobs.pt")
+    found = {
+        "single": one_rank.logprob(),
+        "split": _probe(tmp_path, "split", nproc, allocation, tp_model, one_rank.probe_batches),
+    }
     for key in ("logp", "entropy"):
         diff = float((found["single"][key] - found["split"][key]).abs().max())
         assert diff < 1e-5, (key, diff)
@@ -98,30 +133,47 @@ def test_logprobs_match_one_rank(
 
 
 RESUMED = ["t2", "c2", "t2c2"]
+RESUME_EXTRA = {"recover.freq_steps": 1, "recover.keep_last": 3, "total_train_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def d2_runs(tmp_path_factory: pytest.TempPathFactory, tp_model: Path) -> dict[str, Path]:
+    """Once per module: d2 for 2 steps with recover checkpoints ("prefix", kept as it is),
+    and a copy of it that went on with step 3 under d2 ("straight")."""
+    import shutil
+
+    from tests.gloo.conftest import make_batches, torchrun
+
+    root = tmp_path_factory.mktemp("d2")
+    batches = make_batches(root / "batches", 3, vocab=97)
+    cfg = write_config(root / "prefix.yaml", tp_model, root / "prefix", **RESUME_EXTRA)
+    torchrun(2, cfg, "--batches", str(batches), "--steps", "2")
+    shutil.copytree(root / "prefix", root / "straight")
+    cfg = write_config(root / "straight.yaml", tp_model, root / "straight", **RESUME_EXTRA)
+    torchrun(2, cfg, "--batches", str(batches), "--resume")
+    return {"batches": batches, "prefix": root / "prefix", "straight": root / "straight"}
 
 
 @pytest.mark.parametrize(("allocation", "nproc"), [LAYOUTS[k] for k in RESUMED], ids=RESUMED)
 def test_a_data_parallel_checkpoint_resumes_in_another_layout(
-    tmp_path: Path, tp_model: Path, allocation: str, nproc: int
+    tmp_path: Path, tp_model: Path, d2_runs: dict[str, Path], allocation: str, nproc: int
 ) -> None:
     """d2 for 2 steps with recover checkpoints, then step 3 under d2 and, from the same
     checkpoint, under the new layout: DCP reshards, and the step's loss is the same."""
-    from tests.gloo.conftest import make_batches, torchrun
+    import shutil
+
+    from tests.gloo.conftest import torchrun
     from tests.gloo.test_trainer import _metrics
 
-    batches = make_batches(tmp_path / "batches", 3, vocab=97)
-    extra = {"recover.freq_steps": 1, "recover.keep_last": 3, "total_train_steps": 3}
-    runs = {}
-    for name in ("d2", "resumed"):
-        cfg = write_config(tmp_path / f"{name}.yaml", tp_model, tmp_path / name, **extra)
-        torchrun(2, cfg, "--batches", str(batches), "--steps", "2")
-        runs[name] = (cfg, tmp_path / name / "gloo" / "t")
-    torchrun(2, runs["d2"][0], "--batches", str(batches), "--resume")
+    shutil.copytree(d2_runs["prefix"], tmp_path / "resumed")
     moved = write_config(
-        tmp_path / "moved.yaml", tp_model, tmp_path / "resumed", allocation_mode=allocation, **extra
-    )
+        tmp_path / "moved.yaml", tp_model, tmp_path / "resumed", allocation_mode=allocation,
+        **RESUME_EXTRA,
+    )  # fmt: skip
+    batches = d2_runs["batches"]
     torchrun(nproc, moved, "--batches", str(batches), "--resume", *layout_args(allocation))
-    straight, resumed = _metrics(runs["d2"][1]), _metrics(runs["resumed"][1])
+    run_dir = tmp_path / "resumed" / "gloo" / "t"
+    straight, resumed = _metrics(d2_runs["straight"] / "gloo" / "t"), _metrics(run_dir)
     assert [m["step"] for m in resumed] == [1, 2, 3]
     assert resumed[2]["loss"] == pytest.approx(straight[2]["loss"], abs=1e-5)
     assert resumed[2]["grad_norm"] == pytest.approx(straight[2]["grad_norm"], rel=1e-5)
@@ -134,11 +186,11 @@ def test_a_data_parallel_checkpoint_resumes_in_another_layout(
 
     hf = tmp_path / "hf"
     done = run_areal(
-        "convert-checkpoint", str(runs["resumed"][1] / "recover" / "step-3"), str(hf),
+        "convert-checkpoint", str(run_dir / "recover" / "step-3"), str(hf),
         "--model-config", str(tp_model),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    converted, published = _load_all(hf), _weights(runs["resumed"][1], 3)
+    converted, published = _load_all(hf), _weights(run_dir, 3)
     assert converted.keys() == published.keys()
     assert all(torch.equal(converted[k], published[k]) for k in converted)
     AutoModelForCausalLM.from_pretrained(hf)
