@@ -38,7 +38,7 @@ test-fast: install
 
 # The CPU demo: builds the tiny model (cached after the first run) and trains it with RL.
 demo: install
-	$(BIN)/areal train recipes/tiny_cpu.yaml trial_name=demo-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/areal train recipes/tiny_cpu.yaml trial_name=demo-$$(date +%Y%m%d-%H%M%S)-$$$$
 
 lint: install
 	$(BIN)/ruff check areal_cli tests scripts

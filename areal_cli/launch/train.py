@@ -38,7 +38,7 @@ from areal_cli.rollout.metrics import steps_in
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
-from areal_cli.rundir.layout import initial_model_path, prepare_run_dir, trim_after
+from areal_cli.rundir.layout import RunClaim, initial_model_path, prepare_run_dir, trim_after
 from areal_cli.rundir.paths import VERSION_PREFIX, RunDir, step_name
 
 if TYPE_CHECKING:
@@ -226,9 +226,10 @@ def server_addresses(
 
 def _prepare(
     loaded: LoadedConfig, plan: LaunchPlan, resume: bool, sink: Sink
-) -> tuple[int, RolloutData | None] | None:
-    """Read the data and prepare the run directory (a resume forgets the steps it redoes);
-    returns the first step and the data, or None when the run has nothing left to do."""
+) -> tuple[int, RolloutData | None, RunClaim] | None:
+    """Read the data, claim the run directory (RunInUse while another controller holds
+    it) and prepare it (a resume forgets the steps it redoes); returns the first step,
+    the data and the claim, or None when the run has nothing left to do."""
     cfg = loaded.config
     run_dir = Path(plan.run_dir)
     if resume and len(steps_in(RunDir(run_dir).metrics)) >= cfg.total_train_steps:
@@ -239,9 +240,14 @@ def _prepare(
         return None
     warnings: list[str] = []
     data = read_data(cfg, warnings.append, sink.status)
-    start_step = prepare_run_dir(
-        run_dir, plan.dirs, to_yaml(cfg), plan.to_dict(secret=cfg.inference.api_key), resume
-    )
+    claim = RunClaim(run_dir)
+    try:
+        start_step = prepare_run_dir(
+            run_dir, plan.dirs, to_yaml(cfg), plan.to_dict(secret=cfg.inference.api_key), resume
+        )
+    except BaseException:
+        claim.close()
+        raise
     for line in warnings:
         sink.warn(line)
     if resume:
@@ -249,8 +255,9 @@ def _prepare(
         sink.status(_resume_line(run_dir, start_step, cfg.total_train_steps))
     if start_step > cfg.total_train_steps:
         sink.status(f"nothing to do: the run already finished {start_step - 1} steps")
+        claim.close()
         return None
-    return start_step, data
+    return start_step, data, claim
 
 
 def _start_and_train(
@@ -303,7 +310,7 @@ def run_training(
     prepared = _prepare(loaded, plan, resume, sink)
     if prepared is None:
         return 0
-    start_step, data = prepared
+    start_step, data, claim = prepared  # held until this function returns
     ensure_model(loaded, run_dir, sink.status)
     heartbeat.clear(run_dir)  # an earlier attempt's heartbeats would mislead the watchdog
     registry.clear(run_dir)
@@ -311,6 +318,7 @@ def run_training(
         runner = make_runner(cfg, plan)
     except Exception as exc:  # a cluster that cannot be reached or cannot hold the plan
         sink.error(f"could not start the {plan.launcher} launcher: {exc}")
+        claim.close()
         return 1
     interrupted = {"signal": None}
 
@@ -355,4 +363,5 @@ def run_training(
         sweep(run_dir, ALL_ENTRIES)  # unfinished writes of the stopped writers
         for s, handler in previous.items():
             signal.signal(s, handler)
+        claim.close()
         sys.stdout.flush()

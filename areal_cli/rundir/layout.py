@@ -45,6 +45,41 @@ def model_files_to_copy(model_dir: Path) -> list[Path]:
     ]
 
 
+class RunInUse(FileExistsError):
+    """Another live controller holds the run directory."""
+
+
+class RunClaim:
+    """One controller's hold on its run directory: an exclusive lock on
+    RUN/.controller.lock, held until `close` or the end of the process (the kernel drops
+    it when the process dies, kill -9 too, so no stale claim is left). Two `areal train`
+    that name the same run directory at once (two demos started in the same second) never
+    share it: the second one is refused before it writes anything there."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import fcntl
+
+        path = RunDir(run_dir).controller_lock
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a+")  # noqa: SIM115 (held open: the lock lives with it)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "?"
+            self._file.close()
+            raise RunInUse(
+                f"{run_dir} is in use by another areal train (pid {holder}); wait for it, "
+                f"stop it with `areal stop {run_dir}`, or set another trial_name"
+            ) from None
+        self._file.truncate(0)
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()  # closing drops the lock
+
+
 def prepare_run_dir(
     run_dir: Path, dirs: list[str], config_yaml: str, plan: dict[str, Any], resume: bool
 ) -> int:

@@ -111,6 +111,11 @@ class RunDir:
         return self.root / PLAN_FILE
 
     @property
+    def controller_lock(self) -> Path:
+        """The controller's exclusive hold on the run directory (rundir.layout.claim_run_dir)."""
+        return self.root / ".controller.lock"
+
+    @property
     def record(self) -> Path:
         """run.json: launcher, job id, host, pids and state (areal ps / status / stop)."""
         return self.root / "run.json"
