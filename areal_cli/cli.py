@@ -302,12 +302,13 @@ def _serve_backend(
 ) -> InferenceBackend:
     """The backend `areal serve` runs; exits on flags that cannot work together, or a
     backend that is not there."""
-    from areal_cli.inference.backends import BACKENDS
+    from areal_cli.inference.backends import backend_for
     from areal_cli.inference.guards import bind_problem
 
-    if backend not in BACKENDS:
-        _die(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    server = BACKENDS[backend]
+    try:
+        server = backend_for(backend)
+    except ValueError as exc:
+        _die(f"--{exc}")
     refused = bind_problem(host, api_key, insecure)
     if refused:
         _die(refused)
