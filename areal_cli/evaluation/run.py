@@ -288,10 +288,10 @@ def run_eval(
     loaded: LoadedConfig, plan: LaunchPlan, checkpoint: Path | None, out: Path | None, progress: Any
 ) -> dict[str, Any]:
     """Evaluate; returns the summary (also written to OUT/summary.json)."""
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from areal_cli.data.prompts import DatasetError, load_dataset_prompts
+    from areal_cli.data.tokenizer import load_tokenizer
 
     hf_logging.disable_progress_bar()
     cfg = loaded.config
@@ -299,7 +299,7 @@ def run_eval(
     runner = LocalRunner()
     try:
         chosen = resolve_checkpoint(cfg, checkpoint, scratch)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or chosen.model_dir)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path or chosen.model_dir)
         try:  # before any process starts: a bad row under on_bad_row: error is exit 2
             prompts = load_dataset_prompts(
                 tokenizer, cfg.eval.dataset, progress.warn, key="eval.dataset"

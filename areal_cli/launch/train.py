@@ -69,9 +69,8 @@ def read_data(
     (`say` announces it)."""
     from dataclasses import replace
 
-    from transformers import AutoTokenizer
-
     from areal_cli.data.prompts import load_dataset_prompts, read_rows
+    from areal_cli.data.tokenizer import load_tokenizer
 
     if cfg.algorithm in SUPERVISED:
         held_out = getattr(cfg, cfg.algorithm).eval_path
@@ -85,7 +84,7 @@ def read_data(
         source = builtins.cached(cfg.model.path, cfg.model.seed, say)
     else:
         source = cfg.model.path
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or source)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or source)
     return RolloutData(load_dataset_prompts(tokenizer, cfg.dataset, warn), tokenizer)
 
 

@@ -37,8 +37,10 @@ import json
 import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: reading the cache must not need it
+    import torch
 
 # Grades a completion against the reference answer (the recipe's reward, builtin:numeric,
 # given by the caller: models sit below rollout and do not import its rewards).
@@ -126,6 +128,8 @@ def make_batch(
     labels: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask and next-token targets (-100 off the answer)."""
+    import torch
+
     rows, targets = [], []
     for pair, label in zip(pairs, labels, strict=True):
         prompt = prompts[pair]
@@ -140,7 +144,6 @@ def make_batch(
     return ids, mask, tgt
 
 
-@torch.no_grad()
 def sample(
     model,
     tokenizer,
@@ -151,6 +154,15 @@ def sample(
 ) -> list[str]:
     """Decode each prompt (all the same length here) without a KV cache; temperature 0 is
     greedy. Returns the completions as text, special tokens dropped."""
+    import torch
+
+    with torch.no_grad():
+        return _sample(model, tokenizer, prompts, max_new_tokens, temperature, generator)
+
+
+def _sample(model, tokenizer, prompts, max_new_tokens, temperature, generator) -> list[str]:
+    import torch
+
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("prompts must have the same length")
     ids = torch.tensor(prompts)
@@ -173,14 +185,17 @@ def sample(
     return [tokenizer.decode(o, skip_special_tokens=True) for o in out]
 
 
-@torch.no_grad()
 def exact_probability(model, tokenizer) -> float:
     """Mean over the 100 problems of p(correct sum then EOS | prompt) at temperature 1:
     the expected reward of a sample that keeps the format (a lower bound on it)."""
+    import torch
+
     pairs = problems()
     prompts = {p: prompt_ids(tokenizer, *p) for p in pairs}
     ids, mask, tgt = make_batch(tokenizer, prompts, pairs, [a + b for a, b in pairs])
-    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    logp = torch.log_softmax(logits, -1)
     t = tgt[:, 1:]
     tok = logp[:, :-1].gather(-1, t.clamp(min=0)[..., None])[..., 0]
     seq = torch.where(t >= 0, tok, torch.zeros_like(tok)).sum(-1)
@@ -191,6 +206,8 @@ def evaluate(
     model, tokenizer, score: Score, n_samples: int, max_new_tokens: int, seed: int
 ) -> dict:
     """Greedy and temperature-1 accuracy (graded by `score`) over all 100 problems."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     pairs = problems()
     prompts = [prompt_ids(tokenizer, *p) for p in pairs]

@@ -58,20 +58,34 @@ def _run(fileroot: Path, steps: int, *extra: str) -> Path:
     return fileroot / "tiny-rm" / "trial0"
 
 
-def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path) -> None:
-    runs = {
-        layout: _run(tmp_path / layout, 4, f"allocation_mode=fsdp:{layout}", "cluster.n_cpus=4")
+STEPS = 6
+LAYOUT_ARGS = ("recover.freq_steps=2",)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted runs at d1, d2 and d1t2 (the d2 one is also the resume test's
+    reference)."""
+    root = tmp_path_factory.mktemp("rm-layouts")
+    return {
+        layout: _run(root / layout, STEPS, f"allocation_mode=fsdp:{layout}", *LAYOUT_ARGS)
         for layout in ("d1", "d2", "d1t2")
     }
+
+
+def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(
+    tmp_path: Path, layouts: dict[str, Path]
+) -> None:
+    runs = layouts
     one = _rows(runs["d1"])
-    assert [r["step"] for r in one] == [1, 2, 3, 4]
-    assert [r["step"] for r in one if "eval_accuracy" in r] == [2, 4]
+    assert [r["step"] for r in one] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in one if "eval_accuracy" in r] == [2, 4, 6]
     assert one[-1]["eval_loss"] < one[0]["eval_loss_initial"]  # it learns
     assert all(r["pairs"] == 13 for r in one)
-    config = json.loads((runs["d1"] / "checkpoints" / "step-4" / "config.json").read_text())
+    config = json.loads((runs["d1"] / "checkpoints" / f"step-{STEPS}" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"]
     assert config["num_labels"] == 1
-    final = {k: _load_all(r / "checkpoints" / "step-4") for k, r in runs.items()}
+    final = {k: _load_all(r / "checkpoints" / f"step-{STEPS}") for k, r in runs.items()}
     assert "score.weight" in final["d1"] and "lm_head.weight" not in final["d1"]
     for layout in ("d2", "d1t2"):
         other = _rows(runs[layout])
@@ -88,7 +102,7 @@ def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path)
         _assert_no_processes_left(run_dir)
 
     # the reward model as the reward of an RL run: two steps of the CPU demo
-    reward_model = runs["d1"] / "checkpoints" / "step-4"
+    reward_model = runs["d1"] / "checkpoints" / f"step-{STEPS}"
     rl = subprocess.run(
         [
             sys.executable,
@@ -119,8 +133,10 @@ def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(tmp_path: Path)
         assert r["reward_mean"] not in (0.0, 1.0)
 
 
-def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> None:
-    args = _args(tmp_path, 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
+def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(
+    tmp_path: Path, layouts: dict[str, Path]
+) -> None:
+    args = _args(tmp_path, STEPS, "allocation_mode=fsdp:d2", *LAYOUT_ARGS)
     run_dir = tmp_path / "tiny-rm" / "trial0"
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -137,11 +153,11 @@ def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> 
         args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["step"] for r in _rows(run_dir)] == list(range(1, 7))
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, STEPS + 1))
     log = (run_dir / "logs" / "trainer.log").read_text()
     done = recovered.version
     assert f"resumed from {recovered.path}: {done} steps done, going on with step {done + 1}" in log
-    straight = _run(tmp_path / "straight", 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
+    straight = layouts["d2"]  # uninterrupted: the same last step
     assert _rows(run_dir)[-1]["loss"] == pytest.approx(_rows(straight)[-1]["loss"], abs=1e-5)
     # DCP -> HF finds the scalar-head config (RUN/model-rm) by itself, and verifies
     newest = handoff.latest(run_dir / "recover", "step-")
@@ -151,7 +167,7 @@ def test_rm_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> 
     assert "max |logit difference| = 0" in done.stdout
     assert torch.equal(
         _load_all(out)["score.weight"],
-        _load_all(run_dir / "checkpoints" / "step-6")["score.weight"],
+        _load_all(run_dir / "checkpoints" / f"step-{STEPS}")["score.weight"],
     )
     back = run_areal(
         "convert-checkpoint", str(out), str(tmp_path / "dcp"), "--to", "dcp", "--verify"

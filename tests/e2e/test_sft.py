@@ -55,18 +55,30 @@ def _run(fileroot: Path, steps: int, *extra: str) -> Path:
     return fileroot / "tiny-sft" / "trial0"
 
 
-def test_sft_trains_the_same_at_every_layout(tmp_path: Path) -> None:
-    runs = {
-        layout: _run(tmp_path / layout, 4, f"allocation_mode=fsdp:{layout}", "cluster.n_cpus=4")
+STEPS = 6
+LAYOUT_ARGS = ("recover.freq_steps=2",)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Uninterrupted runs at d1, d2 and d1t2 (the d2 one is also the resume test's
+    reference)."""
+    root = tmp_path_factory.mktemp("sft-layouts")
+    return {
+        layout: _run(root / layout, STEPS, f"allocation_mode=fsdp:{layout}", *LAYOUT_ARGS)
         for layout in ("d1", "d2", "d1t2")
     }
+
+
+def test_sft_trains_the_same_at_every_layout(layouts: dict[str, Path]) -> None:
+    runs = layouts
     one = _rows(runs["d1"])
-    assert [r["step"] for r in one] == [1, 2, 3, 4]
-    assert [r["step"] for r in one if "eval_loss" in r] == [2, 4]
+    assert [r["step"] for r in one] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in one if "eval_loss" in r] == [2, 4, 6]
     assert one[-1]["eval_loss"] < one[1]["eval_loss"] < one[0]["eval_loss_initial"]  # it falls
     assert not (runs["d1"] / "weights").exists() or not any((runs["d1"] / "weights").iterdir())
     assert (runs["d1"] / "loss_curve.png").is_file()
-    final = {k: _load_all(r / "checkpoints" / "step-4") for k, r in runs.items()}
+    final = {k: _load_all(r / "checkpoints" / f"step-{STEPS}") for k, r in runs.items()}
     for layout in ("d2", "d1t2"):
         other = _rows(runs[layout])
         for a, b in zip(one, other, strict=True):
@@ -81,8 +93,10 @@ def test_sft_trains_the_same_at_every_layout(tmp_path: Path) -> None:
         _assert_no_processes_left(run_dir)
 
 
-def test_sft_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) -> None:
-    args = _args(tmp_path, 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
+def test_sft_resumes_after_kill_9_and_its_checkpoint_converts(
+    tmp_path: Path, layouts: dict[str, Path]
+) -> None:
+    args = _args(tmp_path, STEPS, "allocation_mode=fsdp:d2", *LAYOUT_ARGS)
     run_dir = tmp_path / "tiny-sft" / "trial0"
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -99,12 +113,12 @@ def test_sft_resumes_after_kill_9_and_its_checkpoint_converts(tmp_path: Path) ->
         args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["step"] for r in _rows(run_dir)] == list(range(1, 7))
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, STEPS + 1))
     log = (run_dir / "logs" / "trainer.log").read_text()
     done = recovered.version
     assert f"resumed from {recovered.path}: {done} steps done, going on with step {done + 1}" in log
-    # an uninterrupted run gives the same last step: the resumed steps took the same data
-    straight = _run(tmp_path / "straight", 6, "recover.freq_steps=2", "allocation_mode=fsdp:d2")
+    # the uninterrupted run gives the same last step: the resumed steps took the same data
+    straight = layouts["d2"]
     assert _rows(run_dir)[-1]["loss"] == pytest.approx(_rows(straight)[-1]["loss"], abs=1e-5)
     newest = handoff.latest(run_dir / "recover", "step-")
     out = tmp_path / "hf"
