@@ -588,8 +588,12 @@ def logs(
 
     _need_run(run)
     path = RunDir(run).log(name)
-    while follow and not path.is_file() and runs.view(run).state == "pending":
-        time.sleep(0.5)  # a Slurm job that has not started yet
+    # Following a log the run will write (the controller's, or a planned process's) waits
+    # for it while the run is pending or running: a Slurm job that has not started yet,
+    # or a run whose controller has not written its first line.
+    will_write = name == "controller" or name in runs.planned_names(run)
+    while follow and will_write and not path.is_file() and runs.is_active(runs.view(run).state):
+        time.sleep(0.5)
     if not path.is_file():
         have = ", ".join(sorted(p.stem for p in path.parent.glob("*.log"))) or "none"
         _die(f"{path}: no such log; this run has: {have}")

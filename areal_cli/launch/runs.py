@@ -197,6 +197,15 @@ def _job_view(run_dir: Path, record: dict) -> str:
     return "pending" if job in ("PENDING", "CONFIGURING") else "running"
 
 
+def planned_names(run_dir: Path) -> list[str]:
+    """The processes RUN/plan.json plans (server-0, trainer, ...); none without a plan."""
+    try:
+        plan = json.loads(RunDir(run_dir).plan.read_text())
+    except (OSError, ValueError):
+        return []
+    return [p.get("name", "") for p in plan.get("processes", []) if isinstance(p, dict)]
+
+
 def is_active(state: str) -> bool:
     """The run may still make progress (running, running?, pending)."""
     return state.startswith(("running", "pending"))
