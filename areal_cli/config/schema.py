@@ -39,7 +39,10 @@ ROLE_SECTIONS = {"sft": "sft", "rm": "rm", "critic": "ppo"}  # section -> the al
 # the top-level sections and actor keys that only an RL algorithm reads
 RL_SECTIONS = ("rollout", "gconfig", "reward", "inference", "eval")
 RL_ACTOR_KEYS = (
-    "weight_update", "ppo_n_minibatches", "adv_estimator", "reward_scaling", "reward_bias",
+    "weight_update", "ppo_n_minibatches", "adv_estimator", "reward_norm", "adv_norm",
+    "reward_scaling", "reward_bias", "reward_clip", "c_clip", "importance_sampling_level",
+    "overlong_reward_penalty",
+    "overlong_tokens", "overlong_penalty_factor", "mask_no_eos_with_zero",
     "eps_clip", "eps_clip_higher", "use_decoupled_loss", "behav_imp_weight_cap", "kl_ctl",
     "kl_estimator", "loss_agg_mode",
 )  # fmt: skip
@@ -129,6 +132,12 @@ class OptimizerConfig:
     warmup_steps_proportion: float = field(
         0.0, "Fraction of total steps used for linear warm-up.", ge=0, le=1
     )
+    min_lr_ratio: float = field(
+        0.0,
+        "Where a linear or cosine schedule ends, as a fraction of lr (AReaL's min_lr_ratio).",
+        ge=0,
+        le=1,
+    )
     gradient_clipping: float = field(
         1.0, "Clip the global gradient norm to this value; 0 disables.", ge=0
     )
@@ -194,6 +203,30 @@ class WeightUpdateConfig:
     )
 
 
+NORM_LEVELS = ("group", "batch", "none")
+
+
+@dataclass
+class NormConfig:
+    """A normalisation of rewards or advantages (AReaL's NormConfig); read with adv_estimator: custom."""
+
+    mean_level: str = field(
+        "none",
+        "Subtract the mean of the prompt's group, of the whole batch, or nothing.",
+        choices=NORM_LEVELS,
+    )
+    mean_leave1out: bool = field(
+        False, "The mean leaves the sequence itself out (RLOO's baseline)."
+    )
+    std_level: str = field(
+        "none",
+        "Divide by the standard deviation over the group, the batch, or nothing.",
+        choices=NORM_LEVELS,
+    )
+    std_unbiased: bool = field(False, "The standard deviation divides by n - 1 instead of n.")
+    eps: float = field(1e-6, "Added to the standard deviation before dividing.", ge=0)
+
+
 @dataclass
 class TrainEngineConfig:
     """The actor: FSDP2 trainer, optimizer, micro-batching, weight publication and PPO loss."""
@@ -208,18 +241,44 @@ class TrainEngineConfig:
     )
     adv_estimator: str = field(
         "grpo",
-        "Advantage estimator: grpo (group mean/std), dr_grpo (no std), rloo (leave-one-out), reinforce_pp (REINFORCE++ baseline).",
-        choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+        "Advantage estimator: grpo (group mean/std), dr_grpo (no std), rloo (leave-one-out), reinforce_pp (REINFORCE++ baseline), or custom: reward_norm then adv_norm as given.",
+        choices=("grpo", "dr_grpo", "rloo", "reinforce_pp", "custom"),
     )
+    reward_norm: NormConfig = sub(NormConfig)
+    adv_norm: NormConfig = sub(NormConfig)
     reward_scaling: float = field(
         1.0, "Rewards are mapped to (reward + reward_bias) * reward_scaling."
     )
     reward_bias: float = field(0.0, "See reward_scaling.")
+    reward_clip: float | None = field(
+        None, "Then clipped to [-reward_clip, reward_clip]; null: no clipping.", gt=0
+    )
+    overlong_reward_penalty: bool = field(
+        False,
+        "DAPO's overlong penalty: a completion longer than gconfig.max_new_tokens - overlong_tokens loses up to overlong_penalty_factor of reward.",
+    )
+    overlong_tokens: int = field(
+        0, "The length before max_new_tokens where the overlong penalty starts.", ge=0
+    )
+    overlong_penalty_factor: float = field(1.0, "The overlong penalty at max_new_tokens.", ge=0)
+    mask_no_eos_with_zero: bool = field(
+        False, "A completion cut at max_new_tokens (no EOS) gets advantage 0 after reward_norm."
+    )
     eps_clip: float = field(
         0.2, "PPO clip range below 1 (and above, unless eps_clip_higher is set).", gt=0, lt=1
     )
     eps_clip_higher: float | None = field(
         None, "Upper clip range (DAPO's clip-higher); null means eps_clip.", gt=0
+    )
+    importance_sampling_level: str = field(
+        "token",
+        "PPO's ratio per token, or per sequence: the geometric mean over its tokens (GSPO).",
+        choices=("token", "sequence"),
+    )
+    c_clip: float | None = field(
+        None,
+        "Dual clip: a token with negative advantage loses at most c_clip * |advantage|; null disables.",
+        gt=1,
     )
     use_decoupled_loss: bool = field(
         True,

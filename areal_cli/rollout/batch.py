@@ -94,6 +94,7 @@ def write_rollout_batch(
     from areal_cli.rundir.batch import write_batch
 
     batch = _pack([t for g in groups for t in g.trajectories], ctx.cfg.rollout.group_size)
+    batch.max_new_tokens = ctx.cfg.gconfig.max_new_tokens
     stats = rollout_figures(ctx.gate, step, groups, state, gen_rate(state, ctx.inference))
     state.gate_wait_s = 0.0
     t0 = time.perf_counter()
@@ -126,7 +127,9 @@ def _pack(trajs: list[Trajectory], group_size: int):  # -> areal_cli.rundir.batc
         }
         for t in trajs
     ]
-    return RolloutBatch.from_sequences(seqs, [t.reward for t in trajs], group_size)
+    batch = RolloutBatch.from_sequences(seqs, [t.reward for t in trajs], group_size)
+    batch.truncated = torch.tensor([t.truncated for t in trajs], dtype=torch.bool)
+    return batch
 
 
 def gen_rate(state: LoopState, client: GenerationClock) -> float:

@@ -43,6 +43,7 @@ class Trajectory:
     reward_timed_out: bool = False
     text: str = ""
     n_turns: int = 0
+    truncated: bool = False  # its last turn stopped at max_new_tokens (no EOS)
 
     def add_context(self, ids: list[int]) -> None:
         """Tokens the policy did not generate (prompt, feedback): never trained."""
@@ -58,6 +59,7 @@ class Trajectory:
         self.logprobs += turn.logprobs
         self.versions += turn.versions
         self.n_turns += 1
+        self.truncated = turn.finish_reason == "length"
 
     @property
     def n_generated(self) -> int:

@@ -13,6 +13,9 @@ Per sequence (length N):
   seqlens     int64   tokens per sequence
   rewards     float32 scalar reward of each sequence
   advantages  float32 optional; when present the trainer uses them instead of rewards
+  truncated   bool    optional; the sequence stopped at max_new_tokens, with no EOS
+The manifest holds group_size and, when the controller wrote it, max_new_tokens: the
+generation limit the batch was sampled under (the overlong penalty reads it).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class RolloutBatch:
     rewards: torch.Tensor
     group_size: int
     advantages: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    max_new_tokens: int = 0  # 0: not recorded
 
     def __post_init__(self) -> None:
         total = int(self.seqlens.sum())
@@ -101,8 +106,12 @@ def write_batch(
     }
     if batch.advantages is not None:
         tensors["advantages"] = batch.advantages.to(torch.float32)
+    if batch.truncated is not None:
+        tensors["truncated"] = batch.truncated.to(torch.bool)
     data = save({k: v.contiguous() for k, v in tensors.items()})
     info = {"group_size": batch.group_size, "n_seqs": batch.n_seqs, **(meta or {})}
+    if batch.max_new_tokens:
+        info["max_new_tokens"] = batch.max_new_tokens
     return handoff.write_entry(
         parent, step_name(step), step, lambda d: [handoff.write_bytes(d, BATCH_FILE, data)], info
     )
@@ -122,4 +131,6 @@ def read_batch(entry: handoff.Entry) -> RolloutBatch:
         rewards=t["rewards"],
         group_size=int(entry.meta["group_size"]),
         advantages=t.get("advantages"),
+        truncated=t.get("truncated"),
+        max_new_tokens=int(entry.meta.get("max_new_tokens", 0)),
     )

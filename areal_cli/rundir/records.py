@@ -30,6 +30,7 @@ RL_FIGURES = (
     "empty_micro_batches",
     "tokens",
     "kl",
+    "dual_clip_frac",  # actor.c_clip
     # algorithm: ppo (the critic; areal_cli.trainer.critic)
     "value_loss",
     "value_clip_frac",

@@ -18,9 +18,12 @@ Tensor conventions
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal, NamedTuple
 
 import torch
+
+from areal_cli.trainer.advantages import PRESETS, advantages
 
 AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -78,18 +81,21 @@ def compute_advantages(
     reward_bias: float = 0.0,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Per-sequence advantages from scalar rewards ``[N]``; ``group_size`` consecutive samples share a prompt.
+    """Per-sequence advantages from scalar rewards ``[N]`` by a named estimator;
+    ``group_size`` consecutive samples share a prompt.
 
-    Rewards are first transformed as ``r' = (r + reward_bias) * reward_scaling``. Then, per group g
-    with mean ``mu_g`` and *population* std ``sigma_g = sqrt(mean((r - mu_g)^2))`` (``unbiased=False``,
-    so a group of identical rewards gives advantage 0, never NaN):
+    Rewards are first transformed as ``r' = (r + reward_bias) * reward_scaling``. Then, per
+    group g with mean ``mu_g`` and *population* std ``sigma_g`` (a group of identical
+    rewards gives advantage 0, never NaN):
 
     * ``grpo``:         ``A = (r - mu_g) / (sigma_g + eps)``
     * ``dr_grpo``:      ``A = r - mu_g``  (Dr. GRPO: no std division)
-    * ``rloo``:         ``A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mu_g)``  (needs G >= 2)
-    * ``reinforce_pp``: ``A = (r - mu_g) / (sigma_batch + eps)`` with ``sigma_batch`` the population
-      std of the group-centred values over all N samples (REINFORCE++ with group baseline). Their
-      batch mean is exactly 0, so whitening reduces to this division. Pass the *global* batch.
+    * ``rloo``:         ``A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mu_g)``  (G >= 2)
+    * ``reinforce_pp``: ``A = (r - mu_g) / (sigma_batch + eps)`` with ``sigma_batch`` the
+      population std of the group-centred values over all N samples (REINFORCE++ with
+      group baseline). Pass the *global* batch.
+
+    Each is a preset of `areal_cli.trainer.advantages` (its docstring has the general form).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
@@ -97,23 +103,10 @@ def compute_advantages(
         raise ValueError(f"{rewards.numel()} rewards are not divisible into groups of {group_size}")
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(f"unknown adv_estimator {estimator!r}; choose from {ADV_ESTIMATORS}")
-    r = rewards.detach()
-    # Integer/bool rewards (e.g. 0/1 correctness) need a float dtype before centring.
-    r = r if r.is_floating_point() else r.to(torch.get_default_dtype())
-    r = (r + reward_bias) * reward_scaling
-    groups = r.view(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
-        adv = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
-    elif estimator == "dr_grpo":
-        adv = centred
-    elif estimator == "rloo":
-        if group_size < 2:
-            raise ValueError("rloo needs group_size >= 2 (leave-one-out baseline)")
-        adv = centred * (group_size / (group_size - 1))
-    else:
-        adv = centred / (centred.std(unbiased=False) + eps)
-    return adv.reshape(-1)
+    if estimator == "rloo" and group_size < 2:
+        raise ValueError("rloo needs group_size >= 2 (leave-one-out baseline)")
+    norm = replace(PRESETS[estimator], eps=eps)
+    return advantages(rewards, group_size, norm, scaling=reward_scaling, bias=reward_bias)
 
 
 def broadcast_to_tokens(
@@ -137,30 +130,56 @@ def ppo_policy_loss(
     loss_mask: torch.Tensor,
     eps_clip: float = 0.2,
     eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Clipped PPO surrogate per token.
 
     ``ratio = exp(logp - old_logp)``,
     ``loss = -min(ratio * A, clip(ratio, 1 - eps_clip, 1 + eps_clip_higher) * A)``;
     ``eps_clip_higher`` defaults to ``eps_clip`` (DAPO decoupled clip when larger).
+    Dual clip (Ye et al. 2020), with ``c_clip`` > 1: where ``A < 0`` the loss is at most
+    ``-c_clip * A``, so a token whose ratio has run far above 1 cannot dominate.
+    With ``seq_ids`` the ratio is GSPO's sequence-level one (Zheng et al. 2025): every
+    token of sequence i takes ``exp(mean over i's masked tokens of (logp - old_logp))``,
+    which carries the gradient of all of them (each sequence must be whole here).
     Stats over masked tokens: ``clip_frac`` (the clipped branch is strictly the active one, i.e.
-    the token gets no gradient), ``ratio_mean``, ``ratio_max``.
+    the token gets no gradient), ``ratio_mean``, ``ratio_max``, and with ``c_clip``
+    ``dual_clip_frac`` (the cap is strictly the active branch).
     """
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
     m = loss_mask.bool()
     # Masked-out positions may hold garbage; zeroing the log-ratio keeps exp() finite there.
     log_ratio = torch.where(m, logp - old_logp.detach(), torch.zeros_like(logp))
+    if seq_ids is not None:
+        log_ratio = _sequence_mean(log_ratio, m, seq_ids)
     ratio = torch.exp(log_ratio)
     adv = advantages.detach()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    loss = torch.where(m, torch.maximum(unclipped, clipped), torch.zeros_like(unclipped))
+    loss = torch.maximum(unclipped, clipped)
     stats: Stats = {
         "clip_frac": _masked_mean((clipped > unclipped).to(ratio.dtype), m),
         "ratio_mean": _masked_mean(ratio, m),
         "ratio_max": _masked_max(ratio, m),
     }
-    return loss, stats
+    if c_clip is not None:
+        cap = -adv * c_clip
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+        stats["dual_clip_frac"] = _masked_mean(capped.to(ratio.dtype), m)
+    return torch.where(m, loss, torch.zeros_like(loss)), stats
+
+
+def _sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence's mean of `x` over its masked tokens (0 off the mask)."""
+    ids = seq_ids.long().reshape(-1)
+    n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    flat = torch.where(mask, x, torch.zeros_like(x)).reshape(-1)
+    sums = flat.new_zeros(n_seq).index_add(0, ids, flat)
+    counts = flat.new_zeros(n_seq).index_add(0, ids, mask.reshape(-1).to(flat.dtype))
+    means = (sums / counts.clamp(min=1))[ids].reshape(x.shape)
+    return torch.where(mask, means, torch.zeros_like(means))
 
 
 def decoupled_ppo_loss(
@@ -172,6 +191,8 @@ def decoupled_ppo_loss(
     eps_clip: float = 0.2,
     eps_clip_higher: float | None = None,
     behav_imp_weight_cap: float | None = None,
+    c_clip: float | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled PPO (AReaL): clip against the proximal policy, reweight for the stale behaviour policy.
 
@@ -186,7 +207,7 @@ def decoupled_ppo_loss(
     w = torch.exp(log_w)
     keep = m if behav_imp_weight_cap is None else m & (w <= behav_imp_weight_cap)
     pg_loss, stats = ppo_policy_loss(
-        logp, prox_logp, advantages, keep, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher
+        logp, prox_logp, advantages, keep, eps_clip, eps_clip_higher, c_clip, seq_ids
     )
     loss = pg_loss * torch.where(keep, w, torch.zeros_like(w))
     stats.update(

@@ -106,16 +106,23 @@ def build_optimizer(
     warmup = int(o.warmup_steps_proportion * total)
 
     def factor(i: int) -> float:
-        if i < warmup:
-            return (i + 1) / warmup
-        progress = (i - warmup) / max(1, total - warmup)
-        if o.lr_scheduler_type == "linear":
-            return max(0.0, 1.0 - progress)
-        if o.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
+        return lr_factor(i, total, warmup, o.lr_scheduler_type, o.min_lr_ratio)
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def lr_factor(i: int, total: int, warmup: int, kind: str, min_ratio: float = 0.0) -> float:
+    """The learning rate of optimizer step `i` (from 0) over the peak: linear warm-up over
+    `warmup` steps, then `kind` (constant, linear or cosine) from 1 down to `min_ratio` at
+    step `total`."""
+    if i < warmup:
+        return (i + 1) / warmup
+    progress = min(1.0, (i - warmup) / max(1, total - warmup))
+    if kind == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if kind == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_cli.config.schema import TrainEngineConfig
+from areal_cli.config.schema import NormConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
-from areal_cli.trainer import attention, losses
+from areal_cli.trainer import advantages, attention, losses
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
@@ -175,16 +175,36 @@ def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
 
 
 def seq_advantages(batch: RolloutBatch, cfg: TrainEngineConfig) -> torch.Tensor:
-    """Per-sequence advantages of the whole batch (given, or from rewards)."""
+    """Per-sequence advantages of the whole batch (given, or from rewards: the estimator's
+    preset, or with adv_estimator custom the recipe's reward_norm and adv_norm, this one
+    weighted by each sequence's trained tokens)."""
     if batch.advantages is not None:
         return batch.advantages.float()
-    return losses.compute_advantages(
-        batch.rewards.float(),
-        batch.group_size,
-        cfg.adv_estimator,
-        reward_scaling=cfg.reward_scaling,
-        reward_bias=cfg.reward_bias,
-    )
+    if cfg.adv_estimator == "custom":
+        reward_norm, adv_norm = norm_of(cfg.reward_norm), norm_of(cfg.adv_norm)
+    else:
+        reward_norm, adv_norm = advantages.PRESETS[cfg.adv_estimator], advantages.Norm()
+    trained = torch.stack([s.sum() for s in batch.loss_mask.split(batch.seqlens.tolist())])
+    overlong = None
+    if cfg.overlong_reward_penalty:
+        if not batch.max_new_tokens:
+            raise ValueError("the overlong penalty needs the batch's max_new_tokens")
+        overlong = advantages.Overlong(
+            batch.max_new_tokens, cfg.overlong_tokens, cfg.overlong_penalty_factor
+        )
+    return advantages.advantages(
+        batch.rewards.float(), batch.group_size, reward_norm, adv_norm, trained,
+        scaling=cfg.reward_scaling, bias=cfg.reward_bias, clip=cfg.reward_clip,
+        overlong=overlong, zero_if=batch.truncated if cfg.mask_no_eos_with_zero else None,
+    )  # fmt: skip
+
+
+def norm_of(section: NormConfig) -> advantages.Norm:
+    """The recipe's reward_norm or adv_norm section as a Norm."""
+    return advantages.Norm(
+        section.mean_level, section.std_level, section.mean_leave1out,
+        section.std_unbiased, section.eps,
+    )  # fmt: skip
 
 
 class _SavedForBackward:
@@ -258,6 +278,8 @@ def _stat_keys(
     maxes = ["activation_bytes"]
     if cfg.kl_ctl > 0:
         sums.append("kl_sum")
+    if cfg.c_clip is not None:
+        sums.append("dual_clip_frac_sum")
     if cfg.use_decoupled_loss:
         sums.append("imp_weight_sum")
         maxes.append("imp_weight_max")
@@ -450,7 +472,9 @@ def _micro_batch_loss(
         adv_seq = inputs.adv_seq
         values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
         adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
-    clip = {"eps_clip": cfg.eps_clip, "eps_clip_higher": cfg.eps_clip_higher}
+    clip = {"eps_clip": cfg.eps_clip, "eps_clip_higher": cfg.eps_clip_higher, "c_clip": cfg.c_clip}
+    if cfg.importance_sampling_level == "sequence":  # GSPO (context parallelism is refused)
+        clip["seq_ids"] = t["seq_ids"]
     if cfg.use_decoupled_loss:
         if run.n_minibatches == 1:  # this forward's weights are the proximal ones
             proximal = logp.detach()
@@ -574,6 +598,8 @@ def _record(stats: Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
     stats.add("tokens", float(t["real"].sum()))
     stats.add("entropy_sum", (entropy * mask).sum())
     stats.add("clip_frac_sum", lstats["clip_frac"] * n_tok)
+    if "dual_clip_frac" in lstats:
+        stats.add("dual_clip_frac_sum", lstats["dual_clip_frac"] * n_tok)
     if "imp_weight_mean" in lstats:
         stats.add("imp_weight_sum", lstats["imp_weight_mean"] * n_tok)
         stats.max("imp_weight_max", lstats["imp_weight_max"])
@@ -653,6 +679,8 @@ def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> di
     result["activation_bytes"] = out.pop("activation_bytes")  # largest micro-batch, any rank
     if "kl_sum" in out:
         result["kl"] = out.pop("kl_sum") / loss_tokens
+    if "dual_clip_frac_sum" in out:
+        result["dual_clip_frac"] = out.pop("dual_clip_frac_sum") / loss_tokens
     if "imp_weight_sum" in out:
         result["imp_weight_mean"] = out.pop("imp_weight_sum") / loss_tokens
         result["imp_weight_max"] = out.pop("imp_weight_max")

@@ -27,9 +27,67 @@ def check_rl(c: Checker, command: str, launch: bool) -> None:
     _check_eval(c)
 
 
+def _check_norms(c: Checker) -> None:
+    """reward_norm and adv_norm are read with adv_estimator: custom only (the named
+    estimators are presets of them); a group mean over groups of one is always the value."""
+    actor = c.cfg.actor
+    if not c.valid("actor.adv_estimator"):
+        return
+    for name in ("reward_norm", "adv_norm"):
+        if actor.adv_estimator != "custom" and ("actor", name) in c.loaded.locations:
+            c.error(
+                f"actor.{name}",
+                f"is only read with actor.adv_estimator: custom (adv_estimator {actor.adv_estimator} is a preset of reward_norm)",
+                "set actor.adv_estimator: custom, or remove it",
+            )
+    norm = actor.reward_norm
+    if (
+        actor.adv_estimator == "custom"
+        and c.valid("rollout.group_size", "actor.reward_norm.mean_level")
+        and norm.mean_level == "group"
+        and not norm.mean_leave1out
+        and c.cfg.rollout.group_size < 2
+    ):
+        c.error(
+            "rollout.group_size",
+            "reward_norm subtracts the group mean; with group_size 1 every advantage is zero",
+            "set rollout.group_size >= 2",
+        )
+
+
+def _check_overlong(c: Checker) -> None:
+    """The overlong penalty's window lies inside max_new_tokens."""
+    actor, limit = c.cfg.actor, c.cfg.gconfig.max_new_tokens
+    keys = ("actor.overlong_tokens", "gconfig.max_new_tokens")
+    if not actor.overlong_reward_penalty or not c.valid(*keys):
+        return
+    if not 0 < actor.overlong_tokens <= limit:
+        c.error(
+            "actor.overlong_tokens",
+            f"{actor.overlong_tokens} must be between 1 and gconfig.max_new_tokens ({limit}) with overlong_reward_penalty",
+            f"set it to the last stretch of the {limit} new tokens that is penalised, e.g. {max(1, limit // 4)}",
+        )
+
+
+def _check_sequence_ratio(c: Checker) -> None:
+    """GSPO's sequence ratio needs each sequence whole on one rank."""
+    mode = c.result.allocation  # parsed by the allocation rules, None when it is bad
+    if c.cfg.actor.importance_sampling_level != "sequence" or mode is None:
+        return
+    if mode.train is not None and mode.train.context_parallel_size > 1:
+        c.error(
+            "actor.importance_sampling_level",
+            "sequence (GSPO) needs each sequence on one rank, but the allocation splits them over context-parallel ranks",
+            f"drop c from '{c.cfg.allocation_mode}', or use importance_sampling_level: token",
+        )
+
+
 def _check_rollout(c: Checker) -> None:
     actor = c.cfg.actor
     _check_rollout_sizes(c)
+    _check_sequence_ratio(c)
+    _check_norms(c)
+    _check_overlong(c)
     if not c.valid("actor.eps_clip", "actor.eps_clip_higher"):
         pass
     elif (higher := actor.eps_clip_higher) is not None and higher < actor.eps_clip:
