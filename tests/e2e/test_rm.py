@@ -20,6 +20,7 @@ import torch
 
 from areal_cli.rundir import handoff
 from tests.conftest import REPO, free_port, run_areal
+from tests.e2e.test_sft import LAYOUT_ARGS, STEPS, run_layouts
 from tests.e2e.test_train import _assert_no_processes_left, _wait_for
 from tests.gloo.test_trainer import _load_all, _max_diff
 
@@ -58,19 +59,9 @@ def _run(fileroot: Path, steps: int, *extra: str) -> Path:
     return fileroot / "tiny-rm" / "trial0"
 
 
-STEPS = 6
-LAYOUT_ARGS = ("recover.freq_steps=2",)
-
-
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs at d1, d2 and d1t2 (the d2 one is also the resume test's
-    reference)."""
-    root = tmp_path_factory.mktemp("rm-layouts")
-    return {
-        layout: _run(root / layout, STEPS, f"allocation_mode=fsdp:{layout}", *LAYOUT_ARGS)
-        for layout in ("d1", "d2", "d1t2")
-    }
+    return run_layouts(_run, tmp_path_factory.mktemp("rm-layouts"))
 
 
 def test_rm_trains_the_same_at_every_layout_and_scores_an_rl_run(

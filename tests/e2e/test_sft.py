@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,15 +60,18 @@ STEPS = 6
 LAYOUT_ARGS = ("recover.freq_steps=2",)
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted runs at d1, d2 and d1t2 (the d2 one is also the resume test's
-    reference)."""
-    root = tmp_path_factory.mktemp("sft-layouts")
+def run_layouts(run: Callable[..., Path], root: Path) -> dict[str, Path]:
+    """Uninterrupted runs of STEPS steps at d1, d2 and d1t2, by `run` (a module's _run);
+    the d2 one is also its resume test's reference. Shared with test_rm."""
     return {
-        layout: _run(root / layout, STEPS, f"allocation_mode=fsdp:{layout}", *LAYOUT_ARGS)
+        layout: run(root / layout, STEPS, f"allocation_mode=fsdp:{layout}", *LAYOUT_ARGS)
         for layout in ("d1", "d2", "d1t2")
     }
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return run_layouts(_run, tmp_path_factory.mktemp("sft-layouts"))
 
 
 def test_sft_trains_the_same_at_every_layout(layouts: dict[str, Path]) -> None:
