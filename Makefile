@@ -28,12 +28,13 @@ install-locked:
 	  touch $(STAMP); \
 	fi
 
-# Two workers: about half the suite's time is spent waiting on the processes it starts
-# (servers, torchrun ranks, Slurm, Ray), so two run in the time of ~1.4 on 2 cores.
+# Three workers on 2 cores: much of the suite's time is spent waiting on the processes
+# it starts (servers, torchrun ranks, Slurm, Ray); with two the cores were busy ~80% of
+# the time.
 # Each worker takes a whole module at a time (module fixtures are built once), longest
 # modules first (tests/conftest.py orders them).
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The edit loop: every test not marked slow (unit tests, and the inference tests that
 # start no process).

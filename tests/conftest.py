@@ -19,19 +19,19 @@ REPO = Path(__file__).resolve().parents[1]
 # default in /tmp; the test process keeps it in areal's cache, as the CLI does.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
 
-# The two test workers share the cores, so the processes of two tests overlap. OpenMP's
+# The test workers share the cores, so the processes of two tests overlap. OpenMP's
 # default of spinning while it waits then starves the other test's processes: two SFT runs
 # of one rank with 2 threads took 40 s side by side instead of 7.5 s. With PASSIVE a
 # waiting thread sleeps (7.4 s -> 8.1 s for one run alone). Every child inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# `make test` runs two pytest-xdist workers, each taking a whole module at a time
+# `make test` runs three pytest-xdist workers, each taking a whole module at a time
 # (--dist loadscope, so module fixtures are built once), in collection order
 # (--no-loadscope-reorder: xdist would otherwise start with the modules that have the
 # most tests, and leave the few long ones to the end). The modules whose tests run whole
 # clusters, vLLM servers or many runs go first, longest first, so that the last ones
-# handed out are short and the two workers end together; the order within a module is kept.
+# handed out are short and the workers end together; the order within a module is kept.
 _FIRST = (
     "tests/inference/test_vllm.py",
     "tests/slurm/",
