@@ -42,7 +42,6 @@ from typing import Literal
 import torch
 
 Level = Literal["group", "batch", "none"]
-LEVELS: tuple[str, ...] = ("group", "batch", "none")
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def shape_rewards(
     rewards: torch.Tensor, scaling: float = 1.0, bias: float = 0.0, clip: float | None = None
 ) -> torch.Tensor:
     """(r + bias) * scaling, clipped to [-clip, clip] when `clip` is set; float64."""
-    x = (rewards.detach().to(torch.float64) + bias) * scaling
+    x = (rewards.detach().double() + bias) * scaling  # no copy when already float64
     return x if clip is None else x.clamp(-clip, clip)
 
 

@@ -184,7 +184,10 @@ def seq_advantages(batch: RolloutBatch, cfg: TrainEngineConfig) -> torch.Tensor:
         reward_norm, adv_norm = norm_of(cfg.reward_norm), norm_of(cfg.adv_norm)
     else:
         reward_norm, adv_norm = advantages.PRESETS[cfg.adv_estimator], advantages.Norm()
-    trained = torch.stack([s.sum() for s in batch.loss_mask.split(batch.seqlens.tolist())])
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(len(batch.seqlens)), batch.seqlens.long(), output_size=len(batch.loss_mask)
+    )
+    trained = torch.zeros(len(batch.seqlens)).index_add_(0, seq_of_token, batch.loss_mask.float())
     overlong = None
     if cfg.overlong_reward_penalty:
         if not batch.max_new_tokens:
