@@ -358,6 +358,19 @@ class RolloutConfig:
     max_turns: int = field(2, "Turns per episode for the multi_turn workflow.", ge=1)
     request_timeout_s: float = field(600.0, "Timeout of one /generate request.", gt=0)
     request_retries: int = field(3, "Retries of a failed request before the run fails.", ge=0)
+    dynamic_sampling: bool = field(
+        False,
+        "Drop every group whose rewards are all equal (DAPO's dynamic sampling): with a group baseline its advantages are 0. Counted as dropped_uniform.",
+    )
+    dynamic_bs: bool = field(
+        False,
+        "With dynamic_sampling: write a batch once batch_size groups finished since the last one, dropped or kept, with the kept ones (a smaller batch); false refills the batch to batch_size.",
+    )
+    dynamic_max_batches: int = field(
+        10,
+        "With dynamic_sampling: once this many batches' worth of groups were dropped for one batch, it is written with the groups kept so far, and with none the run stops with a named error.",
+        ge=1,
+    )
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,20 +35,57 @@ class StreamPosition(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+@dataclass(frozen=True)
+class DynamicSampling:
+    """DAPO's dynamic sampling (`rollout.dynamic_sampling`): a group whose rewards are all
+    equal has zero advantage under a group baseline, so it is dropped, not trained on.
+
+    dynamic_bs false (refill): the batch waits for `batch_size` kept groups; the gate
+    launches a new group for each one dropped. dynamic_bs true: the batch is written once
+    `batch_size` groups finished for it, dropped or kept, and holds the kept ones (AReaL's
+    dynamic_bs), so it may be smaller. Either way a batch needs one kept group at least;
+    once `max_batches` batches' worth were dropped for one batch, it is written with the
+    groups kept so far, and with none the run stops by name (data the model always, or
+    never, solves would otherwise draw groups forever)."""
+
+    enabled: bool = False
+    dynamic_bs: bool = False
+    max_batches: int = 10
+
+    @classmethod
+    def from_config(cls, rollout) -> DynamicSampling:
+        return cls(rollout.dynamic_sampling, rollout.dynamic_bs, rollout.dynamic_max_batches)
+
+    def wanted(self, batch_size: int, dropped: int) -> tuple[int, int]:
+        """(fewest, most) kept groups the batch is written with, `dropped` groups dropped
+        for it so far."""
+        if self.enabled and dropped >= self.max_batches * batch_size:
+            return 1, batch_size
+        if self.enabled and self.dynamic_bs:
+            return (n := max(1, batch_size - dropped)), n
+        return batch_size, batch_size
+
+
 def assemble_batch(ctx: RolloutContext, state: LoopState) -> bool:
     """Write batch `next_step` if enough fresh groups are ready; drop stale ones."""
     step = state.next_step
-    groups = take_fresh(ctx.gate, state, ctx.cfg.rollout.batch_size)
+    sampling = DynamicSampling.from_config(ctx.cfg.rollout)
+    groups = take_fresh(ctx.gate, state, ctx.cfg.rollout.batch_size, sampling)
     if groups is None:
         return False
     write_rollout_batch(ctx, state, step, groups)
+    state.dropped_uniform = []
     state.next_step += 1
     return True
 
 
-def take_fresh(gate: StalenessGate, state: LoopState, batch_size: int) -> list[Group] | None:
-    """Drop (and count) every ready group too stale for batch `next_step`; then the first
-    `batch_size` fresh ones, or None while fewer are ready. A failed group stops the run."""
+def take_fresh(
+    gate: StalenessGate, state: LoopState, batch_size: int, sampling: DynamicSampling | None = None
+) -> list[Group] | None:
+    """Drop (and count) every ready group too stale for batch `next_step`, and with dynamic
+    sampling every group of equal rewards; then the first fresh ones as `sampling` wants
+    them, or None while fewer are ready. A failed group stops the run."""
+    sampling = sampling or DynamicSampling()
     fresh: list[Group] = []
     while state.ready:
         group = state.ready.popleft()
@@ -55,13 +93,23 @@ def take_fresh(gate: StalenessGate, state: LoopState, batch_size: int) -> list[G
             raise RunFailed(f"a rollout failed: {group}") from group
         if not gate.fresh(state.next_step, group.oldest_version):
             state.dropped_stale += 1
-            continue
-        fresh.append(group)
-    if len(fresh) < batch_size:
+        elif sampling.enabled and group.uniform:
+            state.dropped_uniform.append(group)
+        else:
+            fresh.append(group)
+    fewest, most = sampling.wanted(batch_size, len(state.dropped_uniform))
+    if len(fresh) < fewest:
         state.ready.extend(fresh)
+        if sampling.enabled and len(state.dropped_uniform) >= sampling.max_batches * batch_size:
+            raise RunFailed(
+                f"dynamic sampling dropped {len(state.dropped_uniform)} groups in a row for "
+                f"step {state.next_step}, every one with equal rewards, and kept none: the "
+                "data is too easy or too hard for the model; set rollout.dynamic_sampling: "
+                "false, or use other data"
+            )
         return None
-    state.ready.extend(fresh[batch_size:])
-    return fresh[:batch_size]
+    state.ready.extend(fresh[most:])
+    return fresh[:most]
 
 
 def rollout_figures(
@@ -69,7 +117,9 @@ def rollout_figures(
 ) -> dict[str, float]:
     """The rollout figures of batch `step` (its part of the metrics line)."""
     trajs = [t for g in groups for t in g.trajectories]
-    rewards = [t.reward for t in trajs]
+    # with dynamic sampling, the reward of every fresh group: what the policy scores, not
+    # only the spread groups it trains on
+    rewards = [t.reward for g in groups + state.dropped_uniform for t in g.trajectories]
     staleness = [gate.staleness(step, g.oldest_version) for g in groups]
     return {
         "reward_mean": statistics.fmean(rewards),
@@ -96,13 +146,16 @@ def write_rollout_batch(
     batch = _pack([t for g in groups for t in g.trajectories], ctx.cfg.rollout.group_size)
     batch.max_new_tokens = ctx.cfg.gconfig.max_new_tokens
     stats = rollout_figures(ctx.gate, step, groups, state, gen_rate(state, ctx.inference))
+    if ctx.cfg.rollout.dynamic_sampling:
+        stats["dropped_uniform"] = float(len(state.dropped_uniform))  # for this batch
+        stats["batch_groups"] = float(len(groups))
     state.gate_wait_s = 0.0
     t0 = time.perf_counter()
     write_batch(
         RunDir(ctx.run_dir).rollouts,
         step,
         batch,
-        {"data_state": ctx.stream.state_dict(), "stats": stats},
+        {"data_state": ctx.stream.state_dict(), "next_group": state.next_group, "stats": stats},
     )
     stats["rollout_save_s"] = time.perf_counter() - t0
     state.batch_stats[step] = stats
@@ -151,10 +204,13 @@ def stored_stats(run_dir: Path, step: int) -> dict[str, float]:
         return {}
 
 
-def restore_stream(stream: StreamPosition, run_dir: Path, start_step: int) -> None:
-    """The dataset position after batch start_step-1, saved with it (a resumed run)."""
+def restore_stream(stream: StreamPosition, run_dir: Path, start_step: int) -> int | None:
+    """The dataset position after batch start_step-1, saved with it (a resumed run), and
+    the index of the next group to start then (None when the batch did not save it)."""
     if start_step == 1:
-        return
+        return 0
     entry = handoff.latest(RunDir(run_dir).rollouts, STEP_PREFIX)
     if entry is not None and entry.version == start_step - 1 and "data_state" in entry.meta:
         stream.load_state_dict(entry.meta["data_state"])
+        return entry.meta.get("next_group")
+    return None

@@ -133,8 +133,10 @@ async def run_loop(
         await client.wait_healthy(
             cfg.launcher.startup_timeout_s, on_poll=lambda _: hooks.check_children()
         )
-        ctx = _context(loaded, run_dir, client, rewards, data, start_step)
+        ctx = _context(loaded, run_dir, client, rewards, data)
         state = LoopState(version=0 if start_step == 1 else -1, next_step=start_step)
+        restored = restore_stream(ctx.stream, run_dir, start_step)
+        state.next_group = ctx.gate.group_index(start_step) if restored is None else restored
         sink.status(f"training ({len(data.prompts)} prompts)")
         await _run_tasks(ctx, state, sink, hooks)
     finally:
@@ -148,14 +150,13 @@ def _context(
     client: InferenceClient,
     rewards: RewardPool,
     data: RolloutData,
-    start_step: int,
 ) -> RolloutContext:
-    """The loop's long-lived objects, the prompt stream at the position of `start_step`."""
+    """The loop's long-lived objects (the prompt stream from its start: run_loop restores
+    a resumed run's position)."""
     from areal_cli.data.prompts import PromptStream
 
     cfg = loaded.config
     stream = PromptStream.from_config(data.prompts, cfg.dataset)
-    restore_stream(stream, run_dir, start_step)
     recipe_dir = loaded.recipe.resolve().parent
     workflow = resolve_workflow(cfg.rollout.workflow, recipe_dir, cfg.rollout.max_turns)
     gate = StalenessGate.from_config(cfg)

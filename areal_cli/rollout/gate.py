@@ -13,8 +13,9 @@ The loop asks the gate three things:
                (max_staleness + 1));
   fresh        may a finished group still feed the batch being assembled? A group that is
                not is dropped (and counted), never trained on;
-  group_index  the index of the first group of a step, which seeds its sampling, so a
-               resumed run draws what an unbroken run would have drawn.
+  group_index  the index of the first group of a step, which seeds its sampling: where a
+               resumed run starts when its last batch did not save the next group's
+               index (areal_cli.rollout.batch.restore_stream).
 """
 
 from __future__ import annotations

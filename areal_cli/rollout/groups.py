@@ -3,7 +3,8 @@ write each batch (areal_cli.rollout.batch) as soon as enough fresh groups are re
 
 A group is `group_size` episodes of one prompt, run concurrently, each with its own
 sampling seed, drawn from the run's seed and the group's index, so a resumed run draws
-what an unbroken run would have drawn (StalenessGate.group_index).
+what an unbroken run would have drawn: each batch saves the index of the next group to
+start beside the dataset position (areal_cli.rollout.batch.restore_stream).
 """
 
 from __future__ import annotations
@@ -42,19 +43,20 @@ async def run_group(
 async def rollout_task(ctx: RolloutContext, state: LoopState) -> None:
     """Launch groups as the gate allows; assemble and write batches in order."""
     tasks: set[asyncio.Task[Group]] = set()
-    group_index = ctx.gate.group_index(state.next_step)
     try:
         while state.next_step <= ctx.gate.total_steps:
             while ctx.gate.may_launch(
                 state.version, state.next_step, state.in_flight, len(state.ready)
             ):
                 prompt = ctx.stream.next_batch(1)[0]
-                task = asyncio.create_task(run_group(ctx, prompt, group_index, state.version))
-                group_index += 1
+                task = asyncio.create_task(run_group(ctx, prompt, state.next_group, state.version))
+                state.next_group += 1
                 state.in_flight += 1
                 tasks.add(task)
                 task.add_done_callback(lambda t, s=state: _on_group_done(t, s, tasks))
-            if assemble_batch(ctx, state):
+            if assemble_batch(ctx, state) or ctx.gate.may_launch(
+                state.version, state.next_step, state.in_flight, len(state.ready)
+            ):  # a batch was written, or groups were dropped: room to launch again
                 continue
             idle = state.in_flight == 0  # nothing running: we wait on the trainer's weights
             waited = time.perf_counter()

@@ -44,6 +44,11 @@ class Group:
     def oldest_version(self) -> int:
         return min([self.start_version] + [t.oldest_version for t in self.trajectories])
 
+    @property
+    def uniform(self) -> bool:
+        """Every episode got the same reward: a group baseline leaves no advantage."""
+        return len({t.reward for t in self.trajectories}) <= 1
+
 
 @dataclass
 class LoopState:
@@ -54,6 +59,8 @@ class LoopState:
     in_flight: int = 0  # groups running
     ready: deque[Group | BaseException] = field(default_factory=deque)  # finished, not written
     dropped_stale: int = 0
+    dropped_uniform: list[Group] = field(default_factory=list)  # for the next batch (dynamic)
+    next_group: int = 0  # the index of the next group to start (seeds its sampling)
     gate_wait_s: float = 0.0  # time with nothing in flight since the last batch
     batch_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # rollout figures
     handoff: dict[int, dict[str, float]] = field(default_factory=dict)  # load figures per vN

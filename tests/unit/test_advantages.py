@@ -300,3 +300,15 @@ def test_the_recipe_keys_are_checked() -> None:
         "allocation_mode=embedded:d1+fsdp:d1c2", "cluster.n_cpus=3",
     )  # fmt: skip
     assert gspo_cp.returncode == 2 and "sequence (GSPO) needs each sequence" in gspo_cp.stderr
+    dynamic_bs_alone = run_areal("validate", "recipes/tiny_cpu.yaml", "rollout.dynamic_bs=true")
+    assert dynamic_bs_alone.returncode == 2
+    assert "rollout.dynamic_bs: is a mode of dynamic sampling" in dynamic_bs_alone.stderr
+    lonely = run_areal(
+        "validate", "recipes/tiny_cpu.yaml", "rollout.dynamic_sampling=true",
+        "rollout.group_size=1", "actor.adv_estimator=reinforce_pp",
+    )  # fmt: skip
+    assert lonely.returncode == 2 and "a group of one sample always is" in lonely.stderr
+    assert run_areal(
+        "validate", "recipes/tiny_cpu.yaml", "rollout.dynamic_sampling=true",
+        "rollout.dynamic_bs=true",
+    ).returncode == 0  # fmt: skip

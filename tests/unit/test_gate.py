@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_cli.rollout.batch import restore_stream, take_fresh
+from areal_cli.rollout.batch import DynamicSampling, restore_stream, rollout_figures, take_fresh
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.state import Group, LoopState
 from areal_cli.rollout.workflows import Trajectory
@@ -134,3 +134,63 @@ def test_a_resumed_loop_takes_the_dataset_position_saved_with_the_last_batch(tmp
     assert loaded == [{"position": 20}]
     restore_stream(stream, Path(tmp_path), start_step=1)  # a fresh start restores nothing
     assert loaded == [{"position": 20}]
+
+
+def _rewarded(*rewards: float, start: int = 0) -> Group:
+    """A fresh group (all tokens of `start`) whose episodes got `rewards`."""
+    trajectories = [Trajectory(versions=[-1, start], loss_mask=[0, 1], reward=r) for r in rewards]
+    return Group(trajectories, start_version=start, prompt_index=0)
+
+
+def test_dynamic_sampling_refills_the_batch_past_groups_of_equal_rewards() -> None:
+    sampling = DynamicSampling(enabled=True)
+    state = LoopState(version=0, next_step=1)
+    spread, same, zeros = _rewarded(0.0, 1.0), _rewarded(1.0, 1.0), _rewarded(0.0, 0.0)
+    state.ready = deque([same, spread, zeros])
+    assert take_fresh(_gate(max_staleness=0), state, 2, sampling) is None  # 1 kept of 2
+    assert state.dropped_uniform == [same, zeros]
+    assert list(state.ready) == [spread]
+    other = _rewarded(0.5, 0.0)
+    state.ready.append(other)  # the refill
+    assert take_fresh(_gate(max_staleness=0), state, 2, sampling) == [spread, other]
+    # off, the same groups all train
+    state = LoopState(version=0, next_step=1)
+    state.ready = deque([same, spread])
+    assert take_fresh(_gate(max_staleness=0), state, 2) == [same, spread]
+    assert state.dropped_uniform == []
+
+
+def test_dynamic_bs_writes_the_kept_groups_once_batch_size_groups_finished() -> None:
+    sampling = DynamicSampling(enabled=True, dynamic_bs=True)
+    state = LoopState(version=0, next_step=1)
+    kept = [_rewarded(0.0, 1.0), _rewarded(1.0, 0.0)]
+    state.ready = deque([_rewarded(1.0, 1.0), kept[0]])
+    assert take_fresh(_gate(max_staleness=0), state, 4, sampling) is None  # 2 of 4 finished
+    state.ready.extend([_rewarded(0.0, 0.0), kept[1], _rewarded(0.0, 1.0)])
+    # 2 dropped + 2 kept = 4 finished: a batch of the 2 kept; the fifth waits for the next
+    assert take_fresh(_gate(max_staleness=0), state, 4, sampling) == kept
+    assert len(state.dropped_uniform) == 2 and len(state.ready) == 1
+    assert DynamicSampling(True, True).wanted(4, dropped=9) == (1, 1)  # one kept at least
+
+
+def test_dynamic_sampling_is_bounded_when_every_group_has_equal_rewards() -> None:
+    from areal_cli.rollout.errors import RunFailed
+
+    sampling = DynamicSampling(enabled=True, max_batches=2)
+    state = LoopState(version=0, next_step=3)
+    spread = _rewarded(0.0, 1.0, start=2)
+    state.ready = deque([_rewarded(1.0, 1.0, start=2) for _ in range(3)] + [spread])
+    assert take_fresh(_gate(max_staleness=0), state, 2, sampling) is None
+    state.ready.append(_rewarded(1.0, 1.0, start=2))  # 4 dropped = 2 batches' worth
+    assert take_fresh(_gate(max_staleness=0), state, 2, sampling) == [spread]  # short
+    state.dropped_uniform = []
+    state.ready = deque([_rewarded(1.0, 1.0, start=2) for _ in range(4)])
+    with pytest.raises(RunFailed, match="dropped 4 groups in a row for step 3.*kept none"):
+        take_fresh(_gate(max_staleness=0), state, 2, sampling)
+
+
+def test_dynamic_sampling_reports_the_reward_of_every_fresh_group_it_saw() -> None:
+    state = LoopState(version=0, next_step=1)
+    state.dropped_uniform = [_rewarded(1.0, 1.0), _rewarded(1.0, 1.0)]
+    figures = rollout_figures(_gate(max_staleness=0), 1, [_rewarded(0.0, 1.0)], state, 0.0)
+    assert figures["reward_mean"] == 5 / 6  # not the trained group's 0.5

@@ -50,17 +50,28 @@ class Servers:
             loss_mask=[0, 0, 1, 1],
             logprobs=[0.0, 0.0, -0.5, -0.5],
             versions=[-1, -1, version, version],
-            reward=1.0,
+            reward=self.reward(sample["index"], client.sampling_params()["sampling_seed"]),
         )
 
+    def reward(self, prompt: int, seed: int) -> float:
+        return 1.0
 
-def _context(tmp_path: Path, max_staleness: int, steps: int, servers_for) -> tuple:
+
+class SolvedOddPrompts(Servers):
+    """Every episode of an odd prompt scores 1 (a group of equal rewards); an even prompt's
+    episodes score by their seed."""
+
+    def reward(self, prompt: int, seed: int) -> float:
+        return 1.0 if prompt % 2 else float(seed % 2)
+
+
+def _context(tmp_path: Path, max_staleness: int, steps: int, servers_for, **rollout_keys) -> tuple:
     cfg = ExperimentConfig()
     cfg = dataclasses.replace(
         cfg,
         total_train_steps=steps,
         rollout=dataclasses.replace(
-            cfg.rollout, batch_size=2, group_size=2, max_staleness=max_staleness
+            cfg.rollout, batch_size=2, group_size=2, max_staleness=max_staleness, **rollout_keys
         ),
     )
     stream = PromptStream(PROMPTS, seed=1)
@@ -135,11 +146,58 @@ def test_a_resumed_loop_draws_what_the_unbroken_run_drew(tmp_path: Path) -> None
     ctx, state, before = _context(tmp_path / "resumed", 0, 2, no_slow)
     _run(ctx, state, 2)  # the run dies after step 2 (recover/step-2)
     ctx, state, after = _context(tmp_path / "resumed", 0, 4, no_slow)
-    restore_stream(ctx.stream, ctx.run_dir, start_step=3)
+    state.next_group = restore_stream(ctx.stream, ctx.run_dir, start_step=3)
     state.version, state.next_step = 2, 3  # the trainer republished v2
     _run(ctx, state, 4)
     assert before.drawn + after.drawn == unbroken.drawn  # the same prompts and seeds
     assert len(after.drawn) == 2 * 2 * 2  # steps 3 and 4: two groups of two episodes
+
+
+def test_a_resumed_asynchronous_loop_seeds_each_prompt_as_the_unbroken_run_did(
+    tmp_path: Path,
+) -> None:
+    """With max_staleness 2, groups for step 3 were started when batch 2 was written; they
+    are lost with the process, and the resumed run starts at the next prompt with the
+    seeds the unbroken run gave it (the batch saves the next group's index)."""
+    import shutil
+
+    no_slow = lambda s: Servers(s, set(), 0)  # noqa: E731
+    ctx, state, unbroken = _context(tmp_path / "unbroken", 2, 5, no_slow)
+    _run(ctx, state, 5)
+    died = tmp_path / "died"
+    (died / "rollouts").mkdir(parents=True)
+    # the run died after step 2: its last batch (the unbroken run's, kept by its GC)
+    shutil.copytree(RunDir(tmp_path / "unbroken").rollout(2), RunDir(died).rollout(2))
+    ctx, state, after = _context(died, 2, 5, no_slow)
+    state.next_group = restore_stream(ctx.stream, died, start_step=3)
+    assert state.next_group > 2 * 2  # step 3's groups had started
+    state.version, state.next_step = 2, 3
+    _run(ctx, state, 5)
+    # groups 6-9 are the unbroken run's last four (the same prompts and seeds); it drew
+    # 10 groups in all, and the resumed run draws two more to fill its three batches
+    assert len(after.drawn) == 3 * 2 * 2
+    assert len(set(after.drawn) & set(unbroken.drawn)) == 4 * 2
+
+
+@pytest.mark.parametrize("dynamic_bs", [False, True])
+def test_dynamic_sampling_trains_only_groups_with_a_spread(
+    tmp_path: Path, dynamic_bs: bool
+) -> None:
+    ctx, state, servers = _context(
+        tmp_path, 1, 4, lambda s: SolvedOddPrompts(s, set(), 0),
+        dynamic_sampling=True, dynamic_bs=dynamic_bs,
+    )  # fmt: skip
+    _run(ctx, state, 4)
+    stats = _written(state, tmp_path)
+    from areal_cli.rundir.batch import read_batch
+
+    for entry in handoff.list_entries(RunDir(tmp_path).rollouts, STEP_PREFIX):
+        rewards = read_batch(entry).rewards.view(-1, 2)
+        assert all(row[0] != row[1] for row in rewards.tolist())  # every group has a spread
+    dropped = sum(s["dropped_uniform"] for s in stats)
+    assert dropped > 0 and len({i for i, _ in servers.drawn}) == len(servers.drawn) // 2
+    sizes = [s["batch_groups"] for s in stats]
+    assert sizes == [2.0] * 4 if not dynamic_bs else all(1 <= n <= 2 for n in sizes)
 
 
 def test_the_dataset_position_is_restored_from_the_last_batch(tmp_path: Path) -> None:

@@ -69,6 +69,25 @@ def _check_overlong(c: Checker) -> None:
         )
 
 
+def _check_dynamic_sampling(c: Checker) -> None:
+    """dynamic_bs is a mode of dynamic_sampling; a group of one always has equal rewards."""
+    rollout = c.cfg.rollout
+    if not c.valid("rollout.dynamic_sampling", "rollout.dynamic_bs", "rollout.group_size"):
+        return
+    if rollout.dynamic_bs and not rollout.dynamic_sampling:
+        c.error(
+            "rollout.dynamic_bs",
+            "is a mode of dynamic sampling, which is off: no group is dropped, so every batch is full",
+            "set rollout.dynamic_sampling: true, or remove rollout.dynamic_bs",
+        )
+    if rollout.dynamic_sampling and rollout.group_size < 2:
+        c.error(
+            "rollout.dynamic_sampling",
+            "drops groups whose rewards are all equal, and a group of one sample always is",
+            "set rollout.group_size >= 2, or dynamic_sampling: false",
+        )
+
+
 def _check_sequence_ratio(c: Checker) -> None:
     """GSPO's sequence ratio needs each sequence whole on one rank."""
     mode = c.result.allocation  # parsed by the allocation rules, None when it is bad
@@ -88,6 +107,7 @@ def _check_rollout(c: Checker) -> None:
     _check_sequence_ratio(c)
     _check_norms(c)
     _check_overlong(c)
+    _check_dynamic_sampling(c)
     if not c.valid("actor.eps_clip", "actor.eps_clip_higher"):
         pass
     elif (higher := actor.eps_clip_higher) is not None and higher < actor.eps_clip:
