@@ -60,6 +60,7 @@ def _load_and_check(
     from areal_cli.config.rules import check_config
     from areal_cli.inference.backends import backend_for
 
+    _refuse_areal_format(recipe)
     invalid: frozenset[str] = frozenset()
     try:
         loaded = load_config(recipe, overrides or [])
@@ -82,6 +83,70 @@ def _load_and_check(
     for note in resolved.notes:
         typer.echo(f"note: {note}", err=True)
     return loaded, result
+
+
+def _refuse_areal_format(recipe: Path) -> None:
+    """An AReaL recipe gets one line that shows the import, not 50 unknown keys."""
+    import yaml
+
+    from areal_cli.config.areal_import import looks_like_areal
+
+    try:
+        data = yaml.safe_load(recipe.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # the loader reports it, with the line
+    if looks_like_areal(data):
+        out = recipe.with_name(recipe.stem + ".areal.yaml")
+        typer.echo(
+            f"error: {recipe}: this is an AReaL recipe (train_dataset, actor.path, ...); "
+            f"import it first: areal import-recipe {recipe} -o {out}",
+            err=True,
+        )
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
+@app.command("import-recipe")
+def import_recipe_command(
+    recipe: Path = typer.Argument(..., help="AReaL recipe YAML.", metavar="AREAL.yaml"),
+    script: Path | None = typer.Option(
+        None, "--script", help="AReaL's entry script for it (reward, workflow).", metavar="ENTRY.py"
+    ),
+    output: Path | None = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Write the areal recipe here (default: print it).",
+        metavar="OUT.yaml",
+    ),
+) -> None:
+    """Turn an AReaL recipe into an areal recipe, with a header that lists each key
+    dropped, changed or not honoured. Starts nothing."""
+    from areal_cli.config.areal_import import ImportRefused, import_recipe, render
+
+    try:
+        text = recipe.read_text()
+        source = script.read_text() if script is not None else None
+    except (OSError, UnicodeDecodeError) as exc:
+        _die(f"cannot read {exc.filename or recipe}: {exc.strerror or exc}")
+    try:
+        imported = import_recipe(text, str(recipe), source)
+    except ImportRefused as exc:
+        _die(str(exc))
+    except Exception as exc:  # yaml errors and malformed sections, as one line
+        _die(f"{recipe}: cannot import: {str(exc).splitlines()[0]}")
+    name = str(output) if output is not None else recipe.stem + ".areal.yaml"
+    yaml_text = render(imported, str(recipe), name)
+    if output is None:
+        typer.echo(yaml_text, nl=False)
+    else:
+        from areal_cli.rundir.handoff import write_text_atomic
+
+        write_text_atomic(output, yaml_text)
+    typer.echo(
+        f"# imported {recipe}: {len(imported.changed)} changed, {len(imported.dropped)} dropped, "
+        f"{len(imported.lost)} not honoured (see the header); next: areal validate {name}",
+        err=True,
+    )
 
 
 @app.command()

@@ -539,6 +539,11 @@ class _BuildContext:
 
 
 def _unknown_key_hint(key: str, fields: dict, prefix: KeyPath) -> str:
+    from areal_cli.config.areal_import.names import HINTS
+
+    areal_name = HINTS.get(".".join((*prefix, key)))
+    if areal_name is not None:  # AReaL's name for one of ours
+        return f"this is AReaL's name: areal's is '{areal_name}'"
     hint = did_you_mean(key, fields)
     if hint.startswith("did you mean"):
         return hint.replace("'", "'" + ".".join(prefix) + ("." if prefix else ""), 1)

@@ -1,0 +1,182 @@
+"""`areal import-recipe` (areal_cli.config.areal_import) on AReaL's own recipes, kept as
+fixtures under tests/assets/areal_recipes/ with their licence header, and the one-line
+answer that `areal validate` and `areal train` give an AReaL recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from areal_cli.config.areal_import import ImportRefused, import_recipe, looks_like_areal
+from areal_cli.config.areal_import.convert import Imported, Specials, resolve_refs
+from tests.conftest import REPO, run_areal
+
+AREAL = REPO / "tests" / "assets" / "areal_recipes"
+SCRIPT = AREAL / "gsm8k_rl.py.txt"
+
+
+def _import(tmp_path: Path, name: str, *extra: str):
+    out = tmp_path / (Path(name).stem + ".areal.yaml")
+    result = run_areal("import-recipe", str(AREAL / name), "-o", str(out), *extra)
+    return result, out
+
+
+def test_gsm8k_grpo_imports_to_a_valid_recipe_that_plans_the_same_gpus(tmp_path: Path) -> None:
+    result, out = _import(tmp_path, "gsm8k_grpo.yaml", "--script", str(SCRIPT))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert header[0] == f"# Usage: areal train {out}"
+    for line in (
+        "#   actor.path -> model.path",
+        "#   gconfig.n_samples -> rollout.group_size",
+        "#   rollout.max_head_offpolicyness -> rollout.max_staleness",
+        "#   rollout.backend and actor.backend -> allocation_mode: sglang:d4+fsdp:d4",
+        "#   the entry script's gsm8k_reward_fn -> reward.fn: builtin:math",
+        "#   total_train_epochs 10 -> total_train_steps: 300 (30 steps per epoch)",
+        "#   perf_tracer.enabled: AReaL bookkeeping: areal works it out itself",
+        "#   ref: actor.kl_ctl is 0, so no reference model is used",
+    ):
+        assert line in header, line
+    assert any("weight_update_mode xccl" in line for line in header)  # not honoured, said
+    recipe = yaml.safe_load(text)
+    assert recipe["actor"]["adv_estimator"] == "custom"  # AReaL's math default, both norms
+    assert recipe["actor"]["reward_norm"] == {"mean_level": "group", "std_level": "group"}
+    assert recipe["actor"]["adv_norm"] == {"mean_level": "batch", "std_level": "batch"}
+    assert recipe["actor"]["optimizer"]["eps"] == 1e-8 and recipe["rollout"]["group_size"] == 4
+    fileroot = f"cluster.fileroot={tmp_path}/runs"
+    checked = run_areal("validate", str(out), fileroot)
+    assert checked.returncode == 0 and "error" not in checked.stderr, checked.stderr
+    plan = run_areal("train", str(out), "--dry-run", "--json", fileroot)
+    assert plan.returncode == 0, plan.stderr
+    gpus = [g for p in json.loads(plan.stdout)["processes"] for g in p["gpus"]]
+    assert len(gpus) == 8  # AReaL's sglang:d4p1t1 + fsdp:d4p1t1
+
+
+def test_the_cpu_template_imports_for_vllm_on_cpu(tmp_path: Path) -> None:
+    result, out = _import(tmp_path, "gsm8k_grpo_cpu.yaml")
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load(out.read_text())
+    assert recipe["allocation_mode"] == "vllm:d1+fsdp:d1"
+    assert recipe["cluster"]["n_gpus_per_node"] == 0
+    assert recipe["reward"]["fn"] == "builtin:math"  # the dataset's known script, said so
+    assert "the reward of AReaL's openai/gsm8k scripts" in out.read_text()
+
+
+def test_the_sft_recipe_imports_as_algorithm_sft(tmp_path: Path) -> None:
+    result, out = _import(tmp_path, "gsm8k_sft.yaml")
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load(out.read_text())
+    assert recipe["algorithm"] == "sft" and recipe["allocation_mode"].startswith("fsdp:")
+    assert "rollout" not in recipe and "gconfig" not in recipe
+    checked = run_areal("validate", str(out), f"cluster.fileroot={tmp_path}/runs")
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_dynamic_bs_and_the_overlong_penalty_carry_over(tmp_path: Path) -> None:
+    result, out = _import(tmp_path, "gsm8k_dapo_dynamic_bs.yaml", "--script", str(SCRIPT))
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load(out.read_text())
+    assert recipe["rollout"]["dynamic_sampling"] and recipe["rollout"]["dynamic_bs"]
+    assert recipe["actor"]["overlong_reward_penalty"] and recipe["actor"]["overlong_tokens"] == 512
+    assert recipe["actor"]["eps_clip_higher"] == 0.28
+
+
+def test_a_recipe_needing_a_missing_feature_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "lora.areal.yaml"
+    out.write_text("# mine\n")
+    result = run_areal("import-recipe", str(AREAL / "gsm8k_grpo_lora.yaml"), "-o", str(out))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs LoRA adapters, which areal lacks" in lines[0], lines
+    assert "Traceback" not in result.stderr and out.read_text() == "# mine\n"  # untouched
+
+
+def test_validate_and_train_point_an_areal_recipe_at_the_import() -> None:
+    for command in ("validate", "train"):
+        result = run_areal(command, str(AREAL / "gsm8k_grpo.yaml"))
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "this is an AReaL recipe" in lines[0], lines
+        assert f"areal import-recipe {AREAL / 'gsm8k_grpo.yaml'} -o " in lines[0]
+
+
+def test_areal_key_names_hint_at_areal_equivalents() -> None:
+    result = run_areal(
+        "validate", "recipes/tiny_cpu.yaml", "gconfig.n_samples=4", "recover.mode=auto",
+        "rollout.max_head_offpolicyness=2",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        "gconfig.n_samples: unknown key; this is AReaL's name: areal's is 'rollout.group_size'"
+        in result.stderr
+    )
+    assert (
+        "recover.mode: unknown key; this is AReaL's name: areal's is 'recover.freq_steps'"
+        in result.stderr
+    )
+    assert "areal's is 'rollout.max_staleness'" in result.stderr
+    assert "logging.wandb.mode" not in result.stderr
+
+
+def test_references_resolve_within_the_file() -> None:
+    data = {
+        "a": {"path": "m", "n": 4},
+        "b": "${a.path}",
+        "c": "${a.n}",
+        "d": "x-${a.path}-${a.n}",
+        "e": "${nowhere.key}",
+        "f": "${g}",
+        "g": "${f}",
+    }
+    resolved, broken = resolve_refs(data)
+    assert resolved["b"] == "m" and resolved["c"] == 4 and resolved["d"] == "x-m-4"
+    assert resolved["e"] is None and resolved["f"] is None  # a cycle resolves to nothing
+    assert "${nowhere.key}" in broken
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("sglang:d4p1t1+fsdp:d4p1t1", "sglang:d4+fsdp:d4"),
+        ("sglang:d1+d1", "sglang:d1+fsdp:d1"),
+        ("sglang:d2p1t2+d2p1t1c2", "sglang:d2t2+fsdp:d2c2"),
+        ("vllm.d2p1t1+d2p1t1", "vllm:d2+fsdp:d2"),
+    ],
+)
+def test_areal_older_allocation_forms(old: str, new: str) -> None:
+    specials = Specials({"actor": {}}, Imported(), None)
+    assert specials._old_allocation(old) == new
+
+
+def test_pipeline_parallel_and_plain_areal_files_are_refused() -> None:
+    specials = Specials({"actor": {}}, Imported(), None)
+    with pytest.raises(ImportRefused, match="pipeline parallelism"):
+        specials._old_allocation("sglang:d2p2t1+d4")
+    with pytest.raises(ImportRefused, match="not an AReaL recipe"):
+        import_recipe((REPO / "recipes" / "tiny_cpu.yaml").read_text(), "tiny_cpu.yaml")
+    assert not looks_like_areal(yaml.safe_load((REPO / "recipes" / "tiny_cpu.yaml").read_text()))
+    assert looks_like_areal(yaml.safe_load((AREAL / "gsm8k_sft.yaml").read_text()))
+
+
+def test_every_key_of_the_fixtures_is_accounted_for(tmp_path: Path) -> None:
+    """Each leaf key of an AReaL recipe is kept, renamed, dropped, changed or noted: the
+    body and the header together name every one (none vanish silently)."""
+    from areal_cli.config.areal_import.convert import flatten
+
+    for name in ("gsm8k_grpo.yaml", "gsm8k_grpo_cpu.yaml", "gsm8k_sft.yaml"):
+        text = (AREAL / name).read_text()
+        imported = import_recipe(text, name, SCRIPT.read_text())
+        said = "\n".join(imported.changed + imported.dropped + imported.lost)
+        data, _ = resolve_refs(yaml.safe_load(text))
+        for key, _value in flatten(data):
+            parts = key.split(".")
+            named = any(
+                f"{p}:" in said or f"{p} " in said
+                for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            )  # the key, or a section above it, begins a header line
+            kept = imported.get(key, said) is not said  # carried over under its own name
+            assert kept or named, (name, key)
