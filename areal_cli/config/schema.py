@@ -566,7 +566,9 @@ class RecoverConfig:
 
 @dataclass
 class EvalConfig:
-    """`areal eval`: dataset, reward, samples and pass@k."""
+    """Evaluation: `areal eval`, and during training every `freq_steps` steps on the run's
+    servers (eval rows in metrics.jsonl): dataset (or a held-out part of the training
+    data), reward, sampling, samples and pass@k."""
 
     dataset: DatasetConfig = sub(DatasetConfig)
     reward: RewardConfig = sub(RewardConfig)
@@ -577,6 +579,16 @@ class EvalConfig:
     )
     max_prompts: int = field(0, "Evaluate only the first N prompts; 0 means all.", ge=0)
     seed: int = field(1, "Sampling seed; results are deterministic for a fixed seed.", ge=0)
+    freq_steps: int = field(
+        0,
+        "During training (grpo, ppo): evaluate on the run's servers each time they hold weights vK with K a multiple of this, and write an eval row to metrics.jsonl; 0: never.",
+        ge=0,
+    )
+    holdout: int = field(
+        0,
+        "With eval.dataset.path empty: hold this many training prompts out (drawn with dataset.seed) as the evaluation set; they are never trained on.",
+        ge=0,
+    )
 
 
 @dataclass

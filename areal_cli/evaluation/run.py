@@ -38,7 +38,6 @@ from areal_cli.rundir.checkpoints import CheckpointError, locate
 from areal_cli.rundir.layout import run_dir_of
 from areal_cli.rundir.paths import RunDir
 
-CORRECT_AT = 0.5
 EVAL_FILE = "eval.json"  # the identity of the model and settings whose samples OUT holds
 SAMPLES_FILE = "samples.jsonl"
 
@@ -268,7 +267,7 @@ async def _score_all(
 
 def summarize_rows(rows: list[dict], ks: list[int], elapsed_s: float) -> dict[str, Any]:
     """summary.json: counts, mean reward, accuracy, pass@k and timing."""
-    from areal_cli.evaluation.passk import summarize
+    from areal_cli.rollout.passk import CORRECT_AT, summarize
 
     by_prompt: dict[int, list[bool]] = {}
     for row in rows:

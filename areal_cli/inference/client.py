@@ -158,6 +158,21 @@ class InferenceClient:
         self._busy_since = 0.0
         self._busy_s = 0.0
 
+    def sibling(self) -> InferenceClient:
+        """A client of the same servers and settings with its own counters and connections
+        (evaluation during training: its requests are counted apart from the rollouts')."""
+        return InferenceClient(
+            [s.address for s in self.servers],
+            api_key=self.api_key,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            policy=self.policy,
+            logs={s.address: s.log for s in self.servers if s.log},
+            backoff_s=self.backoff_s,
+            backend=self.backend.name,
+            served_model=self.served_model,
+        )
+
     def busy_s(self) -> float:
         """Wall seconds so far during which at least one /generate call was in flight:
         the time the servers were generating, as this client sees it (overlapping calls

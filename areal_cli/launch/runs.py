@@ -174,7 +174,7 @@ def view(run_dir: Path) -> RunView:
             state = f"running? (on {record.get('host')})"
         elif not _alive(int(record.get("controller_pid", 0)) or -1):
             state = "dead: areal train --resume" if _has_recover(run_dir) else "dead"
-    rows = _metrics_lines(run_dir)
+    rows = [row for row in _metrics_lines(run_dir) if row.get("kind") != "eval"]  # steps
     last = rows[-1] if rows else {}
     since = float(last.get("time") or record.get("started") or time.time())
     total = int(record.get("total_steps") or 0)

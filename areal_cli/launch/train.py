@@ -85,7 +85,31 @@ def read_data(
     else:
         source = cfg.model.path
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or source)
-    return RolloutData(load_dataset_prompts(tokenizer, cfg.dataset, warn), tokenizer)
+    prompts = load_dataset_prompts(tokenizer, cfg.dataset, warn)
+    ev = cfg.eval
+    if not ev.freq_steps:
+        return RolloutData(prompts, tokenizer)
+    if ev.dataset.path:
+        held = load_dataset_prompts(tokenizer, ev.dataset, warn, key="eval.dataset")
+    else:
+        prompts, held = hold_out(prompts, ev.holdout, cfg.dataset.seed)
+    return RolloutData(prompts, tokenizer, held[: ev.max_prompts or None])
+
+
+def hold_out(prompts: list, n: int, seed: int) -> tuple[list, list]:
+    """(training prompts, `n` held-out prompts), drawn with `seed`; each keeps its order."""
+    import random
+
+    if n >= len(prompts):
+        from areal_cli.data.prompts import DatasetError
+
+        raise DatasetError(
+            f"eval.holdout {n} leaves no training prompt of the {len(prompts)} usable ones; "
+            f"set eval.holdout below {len(prompts)}"
+        )
+    chosen = set(random.Random(seed).sample(range(len(prompts)), n))
+    train = [p for i, p in enumerate(prompts) if i not in chosen]
+    return train, [p for i, p in enumerate(prompts) if i in chosen]
 
 
 def child_argv(spec: ProcessSpec, resume: bool) -> list[str]:

@@ -313,7 +313,8 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
     """First, last-5 mean and overall figures of a run."""
-    table = Table(title=f"{len(history)} steps in {elapsed_s:.0f}s")
+    steps = [h for h in history if h.get("kind") != "eval"]  # eval rows: their own figures
+    table = Table(title=f"{len(steps)} steps in {elapsed_s:.0f}s")
     for column in ("metric", "first step", "last 5 steps", "all steps"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for key in SHOWN:
@@ -333,12 +334,14 @@ def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
 def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
     """RUN/reward_curve.png: mean reward per step (steps count from 1 everywhere),
     with its std band clipped to the rewards actually seen (a 0/1 reward never shows a
-    band above 1)."""
+    band above 1), and the eval rows' accuracy beside it (eval.freq_steps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    evals = [h for h in history if h.get("kind") == "eval"]  # eval.freq_steps
+    history = [h for h in history if h.get("kind") != "eval"]
     steps = [h["step"] for h in history]
     mean = [h.get("reward_mean", float("nan")) for h in history]
     std = [h.get("reward_std", 0.0) for h in history]
@@ -352,6 +355,14 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
         [min(m + s, high) for m, s in zip(mean, std, strict=True)],
         alpha=0.2,
     )
+    if evals:
+        ax.plot(
+            [h["step"] for h in evals],
+            [h["eval_accuracy"] for h in evals],
+            marker="s",
+            markersize=4,
+            label="eval accuracy",
+        )
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05 if max(mean, default=1) <= 1 else None)

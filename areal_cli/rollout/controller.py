@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.config.loader import LoadedConfig
 from areal_cli.rollout.batch import restore_stream, stored_stats
+from areal_cli.rollout.evaluation import Evaluator, eval_task, make_evaluator
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.groups import rollout_task
 from areal_cli.rollout.metrics import MetricsJoin, metrics_task, read_new_lines, steps_in
@@ -70,6 +71,7 @@ class RolloutData:
 
     prompts: list[Prompt]
     tokenizer: PreTrainedTokenizerBase
+    eval_prompts: list[Prompt] = field(default_factory=list)  # for eval.freq_steps
 
 
 class ChildCheck(Protocol):
@@ -138,7 +140,14 @@ async def run_loop(
         restored = restore_stream(ctx.stream, run_dir, start_step)
         state.next_group = ctx.gate.group_index(start_step) if restored is None else restored
         sink.status(f"training ({len(data.prompts)} prompts)")
-        await _run_tasks(ctx, state, sink, hooks)
+        evaluator = make_evaluator(
+            cfg, run_dir, client, data.tokenizer, data.eval_prompts, loaded.recipe.resolve().parent
+        )
+        try:
+            await _run_tasks(ctx, state, sink, hooks, evaluator)
+        finally:
+            if evaluator is not None:
+                await evaluator.close()
     finally:
         rewards.close()
         await client.close()
@@ -164,7 +173,11 @@ def _context(
 
 
 async def _run_tasks(
-    ctx: RolloutContext, state: LoopState, sink: StepSink, hooks: LoopHooks
+    ctx: RolloutContext,
+    state: LoopState,
+    sink: StepSink,
+    hooks: LoopHooks,
+    evaluator: Evaluator | None,
 ) -> None:
     """The loop's tasks and guards until the trainer is done; then the last lines."""
     weights = RunDir(ctx.run_dir).weights
@@ -174,6 +187,7 @@ async def _run_tasks(
         lambda: {**hooks.counters, "requests_reissued": ctx.inference.reissued},
     )
     tasks = [
+        *([asyncio.create_task(eval_task(evaluator, state, sink))] if evaluator else []),
         asyncio.create_task(rollout_task(ctx, state)),
         asyncio.create_task(WeightSync(ctx.inference, weights, state).run()),
         asyncio.create_task(metrics_task(join, lambda: state.version, state.handoff, sink)),
@@ -194,10 +208,26 @@ async def _run_tasks(
         await asyncio.sleep(0.3)  # let the metrics task read the trainer's last line
         lines, _ = read_new_lines(RunDir(ctx.run_dir).trainer_metrics, 0)
         await _drain_metrics(ctx.run_dir, len(lines))
+        if evaluator is not None:  # the last version's evaluation, when it is due
+            await _until_settled(evaluator, state, tasks)
     finally:
         for task in [*tasks, done_task]:
             task.cancel()
         await asyncio.gather(*tasks, done_task, return_exceptions=True)
+
+
+async def _until_settled(evaluator: Evaluator, state: LoopState, tasks: list) -> None:
+    """Wait for the evaluator; a task that fails meanwhile (the eval's own) raises."""
+    settled = asyncio.ensure_future(evaluator.settled(state))
+    try:
+        while not settled.done():
+            done, _ = await asyncio.wait([settled, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not settled and task.exception() is not None:
+                    raise task.exception()
+            tasks = [t for t in tasks if not t.done()]
+    finally:
+        settled.cancel()
 
 
 async def _drain_metrics(run_dir: Path, expected: int, timeout_s: float = 30.0) -> None:

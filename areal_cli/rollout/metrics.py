@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from areal_cli.rollout.evaluation import EVAL_KIND
 from areal_cli.rollout.state import StepSink
 from areal_cli.rundir.paths import RunDir
 from areal_cli.rundir.records import RL_FIGURES, TrainerStep
@@ -89,10 +90,11 @@ async def metrics_task(
 
 
 def steps_in(path: Path) -> set[int]:
-    """The steps that have a line in a metrics file."""
+    """The steps that have a line in a metrics file (not counting eval rows)."""
     if not path.exists():
         return set()
-    return {json.loads(line)["step"] for line in path.read_text().splitlines() if line}
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line)
+    return {row["step"] for row in rows if row.get("kind") != EVAL_KIND}
 
 
 def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:

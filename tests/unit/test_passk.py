@@ -4,7 +4,7 @@ from itertools import combinations
 
 import pytest
 
-from areal_cli.evaluation.passk import pass_at_k, summarize
+from areal_cli.rollout.passk import pass_at_k, summarize
 
 
 def reference_pass_at_k(n: int, c: int, k: int) -> float:

@@ -270,6 +270,7 @@ class Specials:
         self.sampling()
         if self.kind in ("grpo", "ppo"):
             self.advantages()
+            self.importance_cap()
             self.reference()
         if self.kind == "ppo":
             self.critic()
@@ -486,6 +487,10 @@ class Specials:
                 self.out.dropped.append(
                     f"actor.{section}.group_size: areal's groups are rollout.group_size"
                 )
+
+    def importance_cap(self) -> None:
+        """AReaL's rejection_sampling on the ratio is areal's behav_imp_weight_cap."""
+        actor = self.section("actor")
         cap = actor.get("rejection_sampling") or {}
         if cap:
             if cap.get("metric", "ratio") == "ratio" and cap.get("upper") is not None:
@@ -603,9 +608,7 @@ class Specials:
             if self.out.get("reward.fn"):
                 self.out.set("eval.reward.fn", self.out.get("reward.fn"))
             split = f", split {vknown.eval_split}" if vknown else ""
-            self.out.changed.append(
-                f"valid_dataset.path {vpath} -> eval.dataset{split} (for `areal eval`)"
-            )
+            self.out.changed.append(f"valid_dataset.path {vpath} -> eval.dataset{split}")
         elif vpath:
             target = {"sft": "sft.eval_path", "rm": "rm.eval_path"}[self.kind]
             if vpath.endswith((".jsonl", ".json", ".parquet")):
@@ -682,17 +685,19 @@ class Specials:
 
     def outputs(self) -> None:
         per_epoch = self._steps_per_epoch()
+        role = self.kind if self.kind in ("sft", "rm") else None
+        evaluated = self.out.get(f"{role}.eval_path" if role else "eval.dataset.path")
         for section, target in (
             ("saver", "saver.freq_steps"),
             ("recover", "recover.freq_steps"),
-            ("evaluator", None),
+            ("evaluator", f"{role}.eval_freq_steps" if role else "eval.freq_steps"),
         ):
             s = self.section(section)
             steps, epochs, secs = s.get("freq_steps"), s.get("freq_epochs"), s.get("freq_secs")
-            if target is None:
+            if section == "evaluator" and not evaluated:
                 if steps or epochs:
                     self.out.lost.append(
-                        f"evaluator.freq_{'steps' if steps else 'epochs'}: areal does not evaluate during training yet; run `areal eval --checkpoint RUN`"
+                        f"evaluator.freq_{'steps' if steps else 'epochs'}: no eval data areal can read; set {'eval.dataset.path or eval.holdout, and eval.freq_steps' if not role else f'{role}.eval_path and {target}'}"
                     )
                 continue
             if steps:
@@ -708,7 +713,7 @@ class Specials:
                     f"{section}.freq_epochs {epochs}: the dataset's length is not known here; set {target}"
                 )
             if secs:
-                self.out.lost.append(f"{section}.freq_secs {secs}: areal saves by steps")
+                self.out.lost.append(f"{section}.freq_secs {secs}: areal counts in steps")
 
     def supervised(self) -> None:
         for key in ("actor.adv_estimator", "rollout", "gconfig", "reward", "inference", "eval"):

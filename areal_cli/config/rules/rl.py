@@ -180,6 +180,7 @@ def _check_callable(
 
 
 def _check_eval(c: Checker) -> None:
+    _check_eval_during_training(c)
     if not c.valid("eval.k", "eval.n_samples"):
         return
     ev = c.cfg.eval
@@ -190,6 +191,31 @@ def _check_eval(c: Checker) -> None:
                 f"pass@{k} needs 1 <= k <= n_samples ({ev.n_samples})",
                 f"raise eval.n_samples to at least {k} or drop k={k}",
             )
+
+
+def _check_eval_during_training(c: Checker) -> None:
+    """eval.freq_steps needs prompts: eval.dataset, or eval.holdout, not both."""
+    if not c.valid("eval.freq_steps", "eval.holdout", "eval.dataset"):
+        return
+    ev = c.cfg.eval
+    if ev.holdout and ev.dataset.path:
+        c.error(
+            "eval.holdout",
+            f"holds {ev.holdout} training prompts out, but eval.dataset.path ({ev.dataset.path}) already gives the eval prompts",
+            "remove one of them",
+        )
+    elif ev.freq_steps and not ev.dataset.path and not ev.holdout:
+        c.error(
+            "eval.freq_steps",
+            "evaluates during training, but there are no eval prompts",
+            "set eval.dataset.path, or eval.holdout: N to hold N training prompts out",
+        )
+    elif ev.holdout and not ev.freq_steps:
+        c.warn(
+            "eval.holdout",
+            f"holds {ev.holdout} prompts out of training, but eval.freq_steps is 0, so they are never evaluated",
+            "set eval.freq_steps, or eval.holdout: 0",
+        )
 
 
 def check_planned(c: Checker) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+CORRECT_AT = 0.5  # a sample counts as correct when its reward reaches this
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that a random k-subset of n samples, c of them correct, holds a correct one.
