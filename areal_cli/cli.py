@@ -141,7 +141,11 @@ def import_recipe_command(
     else:
         from areal_cli.rundir.handoff import write_text_atomic
 
-        write_text_atomic(output, yaml_text)
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(output, yaml_text)
+        except OSError as exc:
+            _die(f"cannot write {output}: {exc.strerror or exc}")
     typer.echo(
         f"# imported {recipe}: {len(imported.changed)} changed, {len(imported.dropped)} dropped, "
         f"{len(imported.lost)} not honoured (see the header); next: areal validate {name}",

@@ -131,6 +131,12 @@ class PackedAttention:
     ) -> tuple[torch.Tensor, None]:
         """transformers' attention interface: see the module docstring."""
         ctx = self._current
+        if ctx is not None and module is not None:
+            module._areal_packed_context = ctx  # for an activation checkpoint's recompute
+        elif torch._C._current_graph_task_id() != -1:
+            # Inside a backward: gradient checkpointing runs this forward again, after the
+            # micro-batch's context was left; it must see the sequences the forward saw.
+            ctx = getattr(module, "_areal_packed_context", None)
         if ctx is None:
             if self.cp_size > 1:
                 raise RuntimeError(

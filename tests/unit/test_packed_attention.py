@@ -67,3 +67,35 @@ def test_a_sequence_is_computed_the_same_whatever_shares_its_micro_batch() -> No
         total = sum(lengths)
         out = _attend(q[:, :, :total], k[:, :, :total], v[:, :, :total], lengths)
         assert torch.equal(out[:, :11], alone)
+
+
+def test_gradient_checkpointing_recomputes_with_the_micro_batch_of_the_forward() -> None:
+    """With activation checkpointing the forward runs again inside the backward, after the
+    micro-batch's context was left (the trainer calls backward outside it). The recompute
+    must attend per sequence as the forward did: same gradients as without checkpointing
+    (it once raised CheckpointError, or would have attended across sequences)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(2)
+    lengths = [5, 19, 3]
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    packed = attention.PackedAttention()
+    layer = torch.nn.Module()  # the attention module transformers passes
+
+    def block(q, k, v):
+        out, _ = packed(layer, q.sin(), k, v, None, scaling=0.25)
+        return out
+
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(2)
+        tensors = _tensors(sum(lengths))
+        with packed.micro_batch(None, 1, ids):
+            if checkpointed:
+                out = checkpoint(block, *tensors, use_reentrant=False)
+            else:
+                out = block(*tensors)
+        (out * out.detach().cos()).sum().backward()  # outside the context, as the trainer
+        grads.append([t.grad for t in tensors])
+    for plain, recomputed in zip(*grads, strict=True):
+        torch.testing.assert_close(plain, recomputed, rtol=1e-12, atol=1e-12)
