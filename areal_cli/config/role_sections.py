@@ -96,3 +96,16 @@ class CriticConfig:
     whiten_advantages: bool = field(
         True, "Normalise the batch's advantages to mean 0 and std 1 before the actor's loss."
     )
+
+
+# The eval keys a supervised role reads too: `eval.dataset.path` as its held-out rows and
+# `eval.freq_steps` as how often, in place of ROLE.eval_path and ROLE.eval_freq_steps.
+SUPERVISED_EVAL_KEYS = (("eval", "dataset", "path"), ("eval", "freq_steps"))
+
+
+def supervised_eval(cfg) -> tuple[str, int]:
+    """A supervised role's held-out rows and how often it evaluates them: its own
+    ROLE.eval_path and ROLE.eval_freq_steps, or the eval section's dataset.path and
+    freq_steps (the section that drives evaluation during RL training)."""
+    role = getattr(cfg, cfg.algorithm)
+    return role.eval_path or cfg.eval.dataset.path, cfg.eval.freq_steps or role.eval_freq_steps

@@ -581,7 +581,7 @@ class EvalConfig:
     seed: int = field(1, "Sampling seed; results are deterministic for a fixed seed.", ge=0)
     freq_steps: int = field(
         0,
-        "During training (grpo, ppo): evaluate on the run's servers each time they hold weights vK with K a multiple of this, and write an eval row to metrics.jsonl; 0: never.",
+        "During training (grpo, ppo): evaluate on the run's servers each time they hold weights vK with K a multiple of this, and write an eval row to metrics.jsonl; 0: never. For sft and rm: how often the held-out loss runs (in place of ROLE.eval_freq_steps).",
         ge=0,
     )
     holdout: int = field(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.config.loader import LoadedConfig, to_yaml
+from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import SUPERVISED, ExperimentConfig
 from areal_cli.launch import runs
 from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
@@ -73,7 +74,7 @@ def read_data(
     from areal_cli.data.tokenizer import load_tokenizer
 
     if cfg.algorithm in SUPERVISED:
-        held_out = getattr(cfg, cfg.algorithm).eval_path
+        held_out, _ = supervised_eval(cfg)
         for path in [cfg.dataset.path] + ([held_out] if held_out else []):
             data = replace(cfg.dataset, path=path)
             read_rows(data, check_columns=False).bad.settle(data.on_bad_row, warn)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, format_prompt, load_prompts, reply_ids
 from areal_cli.trainer.layout import StepLayout
@@ -174,7 +175,8 @@ class RewardModelRole(SupervisedRole):
         train = load_pairs(cfg, tokenizer, cfg.dataset.path)
         if not len(train):
             raise DatasetError(f"no pair of {cfg.dataset.path} fits rm.max_len={cfg.rm.max_len}")
-        held_out = load_pairs(cfg, tokenizer, cfg.rm.eval_path) if cfg.rm.eval_path else None
+        path, _ = supervised_eval(cfg)
+        held_out = load_pairs(cfg, tokenizer, path) if path else None
         return cls(train, held_out)
 
     def describe(self) -> str:
@@ -202,7 +204,7 @@ class RewardModelRole(SupervisedRole):
         return self.held_out is not None
 
     def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
-        return cfg.rm.eval_freq_steps
+        return supervised_eval(cfg)[1]
 
     @torch.no_grad()
     def evaluate(self, state: TrainerState, beat: Beat) -> dict[str, float]:

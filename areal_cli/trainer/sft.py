@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import ExperimentConfig, TrainEngineConfig
 from areal_cli.data.prompts import (
     DatasetError,
@@ -116,7 +117,8 @@ class SFTRole(SupervisedRole):
             raise DatasetError(
                 f"no example of {cfg.dataset.path} fits sft.max_len={cfg.sft.max_len}"
             )
-        held_out = load_examples(cfg, tokenizer, cfg.sft.eval_path) if cfg.sft.eval_path else None
+        path, _ = supervised_eval(cfg)
+        held_out = load_examples(cfg, tokenizer, path) if path else None
         support = None
         if cfg.sft.label_smoothing > 0:
             if cfg.sft.smoothing_support == "targets":
@@ -153,7 +155,7 @@ class SFTRole(SupervisedRole):
         return self.eval is not None
 
     def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
-        return cfg.sft.eval_freq_steps
+        return supervised_eval(cfg)[1]
 
     def evaluate(self, state: TrainerState, beat: Beat) -> dict[str, float]:
         assert self.eval is not None

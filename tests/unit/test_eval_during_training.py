@@ -67,3 +67,28 @@ def test_the_eval_keys_are_checked() -> None:
         "eval.holdout=8",
     )  # fmt: skip
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_eval_section_drives_a_supervised_roles_held_out_loss() -> None:
+    from areal_cli.config.loader import load_config
+    from areal_cli.config.role_sections import supervised_eval
+
+    own = load_config("recipes/tiny_sft.yaml").config
+    assert supervised_eval(own) == (own.sft.eval_path, own.sft.eval_freq_steps)
+    shared = load_config(
+        "recipes/tiny_sft.yaml",
+        ["sft.eval_path=", "eval.dataset.path=recipes/data/arith_test.jsonl", "eval.freq_steps=3"],
+    ).config
+    path, freq = supervised_eval(shared)
+    assert path.endswith("recipes/data/arith_test.jsonl") and freq == 3
+    ok = run_areal(
+        "validate", "recipes/tiny_sft.yaml", "sft.eval_path=",
+        "eval.dataset.path=recipes/data/arith_test.jsonl", "eval.freq_steps=3",
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    both = run_areal(
+        "validate", "recipes/tiny_sft.yaml", "eval.dataset.path=recipes/data/arith_test.jsonl"
+    )
+    assert both.returncode == 2 and "eval.dataset.path: and sft.eval_path" in both.stderr
+    rl_only = run_areal("validate", "recipes/tiny_sft.yaml", "eval.n_samples=4")
+    assert rl_only.returncode == 2 and "eval: is not used by algorithm: sft" in rl_only.stderr

@@ -82,9 +82,16 @@ def check_config(
         check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
     if supervised:
         role = c.cfg.algorithm
-        held_out = getattr(c.cfg, role).eval_path
-        if c.valid(f"{role}.eval_path") and held_out:
-            check_dataset(c, f"{role}.eval_path", held_out, launch, required=False)
+        own, shared = getattr(c.cfg, role).eval_path, c.cfg.eval.dataset.path
+        if own and shared:
+            c.error(
+                "eval.dataset.path",
+                f"and {role}.eval_path ({own}) both give the held-out rows",
+                "keep one of them",
+            )
+        key = f"{role}.eval_path" if own else "eval.dataset.path"
+        if c.valid(key) and (own or shared):
+            check_dataset(c, key, own or shared, launch, required=False)
         if role == "rm":
             check_reward_model(c, mode)
     else:

@@ -9,6 +9,7 @@ from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.checker import Checker
 from areal_cli.config.errors import PATH_RULE
 from areal_cli.config.model_info import model_config
+from areal_cli.config.role_sections import SUPERVISED_EVAL_KEYS
 from areal_cli.config.schema import RL_ACTOR_KEYS, RL_SECTIONS, ROLE_SECTIONS
 
 
@@ -78,6 +79,8 @@ def check_role_keys(c: Checker) -> None:
     """Under a supervised role, a key that only RL reads is an error (it would be ignored)."""
     seen: set[str] = set()
     for path in c.loaded.locations:
+        if any(key[: len(path)] == tuple(path) for key in SUPERVISED_EVAL_KEYS):
+            continue  # the role's held-out rows and their frequency (supervised_eval)
         if path[0] in RL_SECTIONS:
             key = path[0]
         elif path[0] == "actor" and len(path) > 1 and path[1] in RL_ACTOR_KEYS:
