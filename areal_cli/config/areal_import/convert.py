@@ -37,6 +37,7 @@ from areal_cli.config.areal_import.names import (
 
 _REF = re.compile(r"\$\{([^}]*)\}")
 _MISSING = object()
+NPU_ENV = ("PYTORCH_NPU_", "ACL_", "ASCEND_", "HCCL_")  # Ascend's environment variables
 MARKERS = ("train_dataset", "valid_dataset", "stats_logger", "perf_tracer", "total_train_epochs")
 
 
@@ -203,14 +204,27 @@ def _refuse_by_values(data: dict, source: str) -> None:
             f"{source}: train_dataset.type {kind} needs a {kind.upper()} trainer, which areal lacks"
         )
     path = str((data.get("train_dataset") or {}).get("path") or "")
-    if any(word in path.lower() for word in ("geometry3k", "clevr", "vision", "-vl")):
+    model = str(actor.get("path") or "")
+    if (
+        any(word in path.lower() for word in ("geometry3k", "clevr", "vision"))
+        or "-vl" in model.lower()
+    ):
         raise ImportRefused(
-            f"{source}: train_dataset.path {path} needs vision-language models, which areal lacks"
+            f"{source}: train_dataset.path {path} (actor.path {model}) needs vision-language models, which areal lacks"
         )
-    if "npu" in mode or "npu" in str(actor.get("backend") or "") or "npu" in source.lower():
-        raise ImportRefused(f"{source}: this recipe targets Ascend NPUs, which areal lacks")
-    if "hhrlhf_dpo" in source or "dpo" in str((data.get("actor") or {}).get("loss", "")):
-        raise ImportRefused(f"{source}: this recipe trains with DPO, which areal lacks")
+    npu = [key for key in _all_keys(data) if key.startswith(NPU_ENV)]
+    if npu or "npu" in mode:
+        where = f"the environment variable {npu[0]}" if npu else "allocation_mode"
+        raise ImportRefused(f"{source}: {where} targets Ascend NPUs, which areal lacks")
+
+
+def _all_keys(value: Any) -> list[str]:
+    """Every mapping key at any depth, inside lists too (scheduling_spec's env_vars)."""
+    if isinstance(value, dict):
+        return [str(k) for k in value] + [k for v in value.values() for k in _all_keys(v)]
+    if isinstance(value, list):
+        return [k for v in value for k in _all_keys(v)]
+    return []
 
 
 def _truthy(value: Any) -> bool:
