@@ -57,6 +57,7 @@ def test_a_ray_run_learns_and_is_followed(tmp_path: Path) -> None:
     run_dir = tmp_path / "tiny-cpu" / "trial0"
     args = [sys.executable, "-m", "areal_cli.cli", "train", "recipes/tiny_cpu.yaml"]
     args += ["launcher.type=ray", f"cluster.fileroot={tmp_path}", "logging.display=plain"]
+    args += ["total_train_steps=12"]  # half the demo (the whole demo is test_train's)
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -66,12 +67,12 @@ def test_a_ray_run_learns_and_is_followed(tmp_path: Path) -> None:
         status = run_areal("status", str(run_dir)).stdout
         assert "server-0" in status and "(server at 127.0.0.1:" in status
         follow = run_areal("logs", str(run_dir), "-f", "-n", "1000", timeout=600)
-        assert follow.returncode == 0 and "step 24/24" in follow.stdout
+        assert follow.returncode == 0 and "step 12/12" in follow.stdout
         assert proc.wait(timeout=120) == 0
     finally:
         proc.kill()
     rewards = [row["reward_mean"] for row in _metrics(run_dir)]
-    assert len(rewards) == 24 and sum(rewards[-5:]) / 5 >= 0.8, rewards
+    assert len(rewards) == 12 and sum(rewards[-5:]) / 5 >= 0.75, rewards
     assert _state(tmp_path)[4] == "finished"
     registry = json.loads((run_dir / "registry" / "server-0.json").read_text())
     assert registry["host"] == "127.0.0.1"  # Ray pinned to loopback

@@ -82,7 +82,7 @@ def test_a_slurm_run_learns_while_squeue_ps_and_logs_follow_it(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "tiny-cpu" / "trial0"
-    job = _submit(tmp_path, "total_train_steps=12")  # the demo recipe, half its steps
+    job = _submit(tmp_path, "total_train_steps=8")  # the demo recipe, a third of its steps
     seen: set[str] = set()
 
     def steps_seen() -> bool:
@@ -97,11 +97,11 @@ def test_a_slurm_run_learns_while_squeue_ps_and_logs_follow_it(
         [sys.executable, "-m", "areal_cli.cli", "logs", str(run_dir), "-f", "-n", "1000"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert follow.returncode == 0 and "step 12/12" in follow.stdout, follow.stdout[-2000:]
+    assert follow.returncode == 0 and "step 8/8" in follow.stdout, follow.stdout[-2000:]
     _wait(lambda: _job_gone(job), 60, "the job to end")
     rewards = [row["reward_mean"] for row in _metrics(run_dir)]
-    assert [row["step"] for row in _metrics(run_dir)] == list(range(1, 13))
-    assert sum(rewards[-5:]) / 5 >= 0.75, rewards  # 0.93 at step 12 here, from 0.31
+    assert [row["step"] for row in _metrics(run_dir)] == list(range(1, 9))
+    assert sum(rewards[-3:]) / 3 >= rewards[0] + 0.3, rewards  # ~0.8 at step 8, from 0.31
     assert _state(tmp_path)[4] == "finished"
     registry = json.loads((run_dir / "registry" / "server-0.json").read_text())
     assert registry["job_id"] == job and registry["node"] == "n1"
