@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,6 +45,11 @@ def _finish_order(engine: InferenceEngine, lengths: list[int]) -> list[int]:
     engine.continue_generation()
     for future in futures:
         future.result(60)
+    # A future's waiters wake before its done callbacks run (concurrent.futures), so the
+    # last callback may still be on its way when result() returns: wait for it.
+    deadline = time.monotonic() + 10
+    while len(done) < len(lengths) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return done
 
 
