@@ -28,13 +28,14 @@ install-locked:
 	  touch $(STAMP); \
 	fi
 
-# Four workers on 2 cores: much of the suite's time is spent waiting on the processes
-# it starts (servers, torchrun ranks, Slurm, Ray); with three the cores were busy ~81% of
-# the time (user+sys 24.4 min over a 15.1 min make test), with two ~80%.
+# Three workers on 2 cores: much of the suite's time is spent waiting on the processes
+# it starts (servers, torchrun ranks, Slurm, Ray). Measured from fresh clones: two workers
+# kept the cores ~80% busy; three 81% (make test 15:04, pytest 14:13); four no more
+# (15:55, pytest 15:02: the same work, more contention).
 # Each worker takes a whole module at a time (module fixtures are built once), longest
 # modules first (tests/conftest.py orders them).
 test: install
-	$(BIN)/python -m pytest -n 4 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The edit loop: every test not marked slow (unit tests, and the inference tests that
 # start no process).
