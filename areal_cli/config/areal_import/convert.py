@@ -161,6 +161,11 @@ def import_recipe(text: str, source: str, script: str | None = None) -> Imported
             out.dropped.append(f"{path}: {_describe(value)}, off")
         elif rule is None:
             out.lost.append(f"{path}: not an AReaL key the importer knows")
+    npu = sorted({key for key in _all_keys(data) if key.startswith(NPU_ENV)})
+    if npu:  # the recipe itself is not tied to the hardware: it imports, said so
+        out.lost.append(
+            f"scheduling_spec env_vars {', '.join(npu)}: Ascend NPU settings; areal runs on NVIDIA GPUs or CPUs, where they mean nothing"
+        )
     Specials(data, out, script).apply()
     said = "\n".join(out.changed + out.dropped + out.lost)
     for path, value in leaves:  # a special key no step spoke of
@@ -212,10 +217,10 @@ def _refuse_by_values(data: dict, source: str) -> None:
         raise ImportRefused(
             f"{source}: train_dataset.path {path} (actor.path {model}) needs vision-language models, which areal lacks"
         )
-    npu = [key for key in _all_keys(data) if key.startswith(NPU_ENV)]
-    if npu or "npu" in mode:
-        where = f"the environment variable {npu[0]}" if npu else "allocation_mode"
-        raise ImportRefused(f"{source}: {where} targets Ascend NPUs, which areal lacks")
+    if "npu" in mode:
+        raise ImportRefused(
+            f"{source}: allocation_mode {mode} targets Ascend NPUs, which areal lacks"
+        )
 
 
 def _all_keys(value: Any) -> list[str]:
