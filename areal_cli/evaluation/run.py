@@ -206,10 +206,9 @@ async def _score_all(
     tokenizer: Any,
     prompts: list,
 ) -> list[dict]:
-    from areal_cli.config.schema import GenerationHyperparameters
     from areal_cli.inference.client import InferenceClient
+    from areal_cli.rollout.evaluation import sample_and_score
     from areal_cli.rollout.rewards import RewardPool
-    from areal_cli.rollout.workflows import EpisodeClient
 
     ev = cfg.eval
     addresses = [f"http://127.0.0.1:{p.ports[0]}" for p in plan.processes]
@@ -227,21 +226,13 @@ async def _score_all(
     done = _done_samples(samples_file)
     try:
         await client.wait_healthy(cfg.launcher.startup_timeout_s, on_poll=lambda _: runner.check())
-        gconfig: GenerationHyperparameters = ev.gconfig
         todo = [(p, i) for p in prompts for i in range(ev.n_samples) if (p.index, i) not in done]
         progress.start(len(prompts) * ev.n_samples, len(prompts) * ev.n_samples - len(todo))
         semaphore = asyncio.Semaphore(64)
 
         async def one(prompt: Any, i: int) -> None:
             async with semaphore:
-                seed = (ev.seed * 1_000_003 + prompt.index * 1009 + i) % (2**31)
-                episode = EpisodeClient(client, tokenizer, gconfig, rewards, seed)
-                turn = await episode.generate(prompt.input_ids)
-                result = await episode.reward(
-                    turn.text,
-                    {"answer": prompt.answer, "row": prompt.row},
-                    list(prompt.input_ids) + list(turn.output_ids),
-                )
+                turn, result = await sample_and_score(client, tokenizer, ev, rewards, prompt, i)
                 row = {
                     "prompt_index": prompt.index,
                     "sample_index": i,

@@ -31,6 +31,7 @@ from typing import Any
 
 from areal_cli.rundir import heartbeat, registry
 from areal_cli.rundir.paths import CONFIG_FILE, STEP_PREFIX, RunDir
+from areal_cli.rundir.records import is_eval_row
 
 END_STATES = {0: "finished", 130: "stopped"}  # any other exit code: failed
 
@@ -174,7 +175,7 @@ def view(run_dir: Path) -> RunView:
             state = f"running? (on {record.get('host')})"
         elif not _alive(int(record.get("controller_pid", 0)) or -1):
             state = "dead: areal train --resume" if _has_recover(run_dir) else "dead"
-    rows = [row for row in _metrics_lines(run_dir) if row.get("kind") != "eval"]  # steps
+    rows = [row for row in _metrics_lines(run_dir) if not is_eval_row(row)]  # steps
     last = rows[-1] if rows else {}
     since = float(last.get("time") or record.get("started") or time.time())
     total = int(record.get("total_steps") or 0)

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from areal_cli.rundir.paths import RunDir
+from areal_cli.rundir.records import is_eval_row
 
 SHOWN = (
     "reward_mean",
@@ -313,7 +314,7 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
     """First, last-5 mean and overall figures of a run."""
-    steps = [h for h in history if h.get("kind") != "eval"]  # eval rows: their own figures
+    steps = [h for h in history if not is_eval_row(h)]  # eval rows: their own figures
     table = Table(title=f"{len(steps)} steps in {elapsed_s:.0f}s")
     for column in ("metric", "first step", "last 5 steps", "all steps"):
         table.add_column(column, justify="right" if column != "metric" else "left")
@@ -340,8 +341,8 @@ def plot_reward_curve(history: list[dict[str, float]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    evals = [h for h in history if h.get("kind") == "eval"]  # eval.freq_steps
-    history = [h for h in history if h.get("kind") != "eval"]
+    evals = [h for h in history if is_eval_row(h)]  # eval.freq_steps
+    history = [h for h in history if not is_eval_row(h)]
     steps = [h["step"] for h in history]
     mean = [h.get("reward_mean", float("nan")) for h in history]
     std = [h.get("reward_std", 0.0) for h in history]

@@ -56,10 +56,14 @@ class DynamicSampling:
     def from_config(cls, rollout) -> DynamicSampling:
         return cls(rollout.dynamic_sampling, rollout.dynamic_bs, rollout.dynamic_max_batches)
 
+    def exhausted(self, batch_size: int, dropped: int) -> bool:
+        """`dropped` groups dropped for one batch reach the bound: write what it has."""
+        return self.enabled and dropped >= self.max_batches * batch_size
+
     def wanted(self, batch_size: int, dropped: int) -> tuple[int, int]:
         """(fewest, most) kept groups the batch is written with, `dropped` groups dropped
         for it so far."""
-        if self.enabled and dropped >= self.max_batches * batch_size:
+        if self.exhausted(batch_size, dropped):
             return 1, batch_size
         if self.enabled and self.dynamic_bs:
             return (n := max(1, batch_size - dropped)), n
@@ -100,7 +104,7 @@ def take_fresh(
     fewest, most = sampling.wanted(batch_size, len(state.dropped_uniform))
     if len(fresh) < fewest:
         state.ready.extend(fresh)
-        if sampling.enabled and len(state.dropped_uniform) >= sampling.max_batches * batch_size:
+        if sampling.exhausted(batch_size, len(state.dropped_uniform)):
             raise RunFailed(
                 f"dynamic sampling dropped {len(state.dropped_uniform)} groups in a row for "
                 f"step {state.next_step}, every one with equal rewards, and kept none: the "

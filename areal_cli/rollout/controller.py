@@ -197,37 +197,32 @@ async def _run_tasks(
     recovery = ServerRecovery(ctx.inference, weights, state, timeout_s)
     done_task = asyncio.ensure_future(hooks.until_trainer_done(recovery))
     try:
-        while not done_task.done():
-            done, _ = await asyncio.wait([done_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                error = None if task is done_task else task.exception()
-                if error is not None:
-                    raise error
-            tasks = [t for t in tasks if not t.done()]
+        await _until(done_task, tasks)
         done_task.result()
         await asyncio.sleep(0.3)  # let the metrics task read the trainer's last line
         lines, _ = read_new_lines(RunDir(ctx.run_dir).trainer_metrics, 0)
         await _drain_metrics(ctx.run_dir, len(lines))
         if evaluator is not None:  # the last version's evaluation, when it is due
-            await _until_settled(evaluator, state, tasks)
+            settled = asyncio.ensure_future(evaluator.settled(state))
+            tasks.append(settled)
+            await _until(settled, tasks)
     finally:
         for task in [*tasks, done_task]:
             task.cancel()
         await asyncio.gather(*tasks, done_task, return_exceptions=True)
 
 
-async def _until_settled(evaluator: Evaluator, state: LoopState, tasks: list) -> None:
-    """Wait for the evaluator; a task that fails meanwhile (the eval's own) raises."""
-    settled = asyncio.ensure_future(evaluator.settled(state))
-    try:
-        while not settled.done():
-            done, _ = await asyncio.wait([settled, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not settled and task.exception() is not None:
-                    raise task.exception()
-            tasks = [t for t in tasks if not t.done()]
-    finally:
-        settled.cancel()
+async def _until(target: asyncio.Future, tasks: list[asyncio.Future]) -> None:
+    """Wait until `target` is done; the first of the other `tasks` that fails meanwhile
+    raises its error (one that ends without error is let go)."""
+    others = [t for t in tasks if t is not target]
+    while not target.done():
+        done, _ = await asyncio.wait([target, *others], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            error = None if task is target else task.exception()
+            if error is not None:
+                raise error
+        others = [t for t in others if not t.done()]
 
 
 async def _drain_metrics(run_dir: Path, expected: int, timeout_s: float = 30.0) -> None:

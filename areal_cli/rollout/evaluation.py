@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli.rollout import passk
 from areal_cli.rollout.state import LoopState, StepSink
-from areal_cli.rollout.workflows import EpisodeClient
+from areal_cli.rollout.workflows import EpisodeClient, Turn
 from areal_cli.rundir.paths import RunDir
+from areal_cli.rundir.records import EVAL_KIND, is_eval_row
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import EvalConfig
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
 
-EVAL_KIND = "eval"  # the "kind" of an eval row in metrics.jsonl
 CONCURRENCY = 64
 
 
@@ -47,7 +47,29 @@ def eval_rows(path: Path) -> dict[int, dict[str, Any]]:
     if not path.exists():
         return {}
     rows = (json.loads(line) for line in path.read_text().splitlines() if line)
-    return {row["step"]: row for row in rows if row.get("kind") == EVAL_KIND}
+    return {row["step"]: row for row in rows if is_eval_row(row)}
+
+
+async def sample_and_score(
+    client: InferenceClient,
+    tokenizer: Any,
+    cfg: EvalConfig,
+    rewards: RewardPool,
+    prompt: Prompt,
+    sample: int,
+) -> tuple[Turn, Any]:
+    """Sample `prompt` once (its `sample`-th sample, seeded from `cfg.seed`, so the same
+    settings draw the same answers) with `cfg.gconfig`, and score it: the answer's turn
+    and its reward result. `areal eval` and evaluation during training both sample so."""
+    seed = (cfg.seed * 1_000_003 + prompt.index * 1009 + sample) % (2**31)
+    episode = EpisodeClient(client, tokenizer, cfg.gconfig, rewards, seed)
+    turn = await episode.generate(prompt.input_ids)
+    result = await episode.reward(
+        turn.text,
+        {"answer": prompt.answer, "row": prompt.row},
+        list(prompt.input_ids) + list(turn.output_ids),
+    )
+    return turn, result
 
 
 def summarize(step: int, rewards: dict[int, list[float]], ks: list[int]) -> dict[str, Any]:
@@ -93,15 +115,8 @@ class Evaluator:
 
         async def one(prompt: Prompt, i: int) -> None:
             async with semaphore:
-                seed = (self.cfg.seed * 1_000_003 + prompt.index * 1009 + i) % (2**31)
-                episode = EpisodeClient(
-                    self.client, self.tokenizer, self.cfg.gconfig, self.rewards, seed
-                )
-                turn = await episode.generate(prompt.input_ids)
-                result = await episode.reward(
-                    turn.text,
-                    {"answer": prompt.answer, "row": prompt.row},
-                    list(prompt.input_ids) + list(turn.output_ids),
+                _, result = await sample_and_score(
+                    self.client, self.tokenizer, self.cfg, self.rewards, prompt, i
                 )
                 rewards[prompt.index].append(result.value)
 

@@ -18,10 +18,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from areal_cli.rollout.evaluation import EVAL_KIND
 from areal_cli.rollout.state import StepSink
 from areal_cli.rundir.paths import RunDir
-from areal_cli.rundir.records import RL_FIGURES, TrainerStep
+from areal_cli.rundir.records import RL_FIGURES, TrainerStep, is_eval_row
 
 
 def build_metrics(
@@ -94,7 +93,7 @@ def steps_in(path: Path) -> set[int]:
     if not path.exists():
         return set()
     rows = (json.loads(line) for line in path.read_text().splitlines() if line)
-    return {row["step"] for row in rows if row.get("kind") != EVAL_KIND}
+    return {row["step"] for row in rows if not is_eval_row(row)}
 
 
 def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:

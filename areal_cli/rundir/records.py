@@ -17,6 +17,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# RUN/metrics.jsonl holds one line per step and, with eval.freq_steps, eval rows marked
+# {"kind": "eval"} beside them (areal_cli.rollout.evaluation); readers of steps skip them.
+EVAL_KIND = "eval"
+
+
+def is_eval_row(row: dict[str, Any]) -> bool:
+    """A metrics.jsonl line that is an evaluation's row, not a step's."""
+    return row.get("kind") == EVAL_KIND
+
+
 # Figures of an RL step (algorithm: grpo, ppo) that metrics.jsonl carries.
 RL_FIGURES = (
     "loss",

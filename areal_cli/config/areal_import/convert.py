@@ -187,22 +187,16 @@ def _named(path: str, said: str) -> bool:
 def _refuse_by_values(data: dict, source: str) -> None:
     """Features that show in values rather than keys."""
     actor = data.get("actor") or {}
-    for key in ("backend",):
-        backend = str(actor.get(key) or "")
-        for name, feature in (
-            ("megatron", "the Megatron backend"),
-            ("archon", "the Archon backend"),
-        ):
-            if backend.startswith(name):
-                raise ImportRefused(
-                    f"{source}: actor.backend {backend} needs {feature}, which areal lacks"
-                )
     mode = str(data.get("allocation_mode") or "")
-    for name in ("megatron", "archon"):
-        if name in mode:
-            raise ImportRefused(
-                f"{source}: allocation_mode {mode} needs the {name} backend, which areal lacks"
-            )
+    for key, value in (
+        ("actor.backend", str(actor.get("backend") or "")),
+        ("allocation_mode", mode),
+    ):
+        for name in ("Megatron", "Archon"):
+            if name.lower() in value:
+                raise ImportRefused(
+                    f"{source}: {key} {value} needs the {name} backend, which areal lacks"
+                )
     kind = str((data.get("train_dataset") or {}).get("type") or "rl")
     if kind not in ("rl", "sft", "rw"):
         raise ImportRefused(
