@@ -291,6 +291,22 @@ def _check_ports_free(processes: list, recipe: Path) -> None:
         _fail(busy, f"for {recipe}")
 
 
+MAX_RUNNING_REQUESTS = typer.Option(
+    None,
+    "--max-running-requests",
+    help="Requests decoded together (vllm: --max-num-seqs); default: the backend's.",
+    show_default=False,
+    min=1,
+)
+CONTEXT_LENGTH = typer.Option(
+    None,
+    "--context-length",
+    help="Longest prompt plus reply in tokens (vllm: --max-model-len); default: the model's.",
+    show_default=False,
+    min=1,
+)
+
+
 @app.command()
 def serve(
     model: str = typer.Argument(
@@ -333,6 +349,8 @@ def serve(
         show_default=False,
     ),
     startup_timeout: float = typer.Option(600.0, help="Seconds allowed for the server to start."),
+    max_running_requests: int = MAX_RUNNING_REQUESTS,
+    context_length: int = CONTEXT_LENGTH,
     python: str = typer.Option(
         sys.executable, help="Interpreter that runs the server (vllm: e.g. .venv-vllm/bin/python)."
     ),
@@ -352,6 +370,8 @@ def serve(
         api_key=api_key,
         dtype=dtype,
         tp=tp,
+        max_running_requests=max_running_requests,
+        context_length=context_length,
         weight_roots=tuple(str(r.expanduser().resolve()) for r in weight_root),
         insecure_no_api_key=insecure_no_api_key,
     )

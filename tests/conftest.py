@@ -75,6 +75,21 @@ def run_areal(
     )
 
 
+def areal_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`areal ARGS` in this process (Typer's runner), for the calls that only refuse: the
+    same code as `run_areal` without a child's interpreter and imports (~2 s each once
+    torch is imported). A crash other than the CLI's own exit raises, so a test of "no
+    traceback" cannot pass on an exception the runner swallowed."""
+    from typer.testing import CliRunner
+
+    from areal_cli.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     """Write rows as a .jsonl file; returns its path as a string (a dataset.path)."""
     import json

@@ -149,7 +149,8 @@ def _top_level_functions(source: Path) -> set[str]:
         tree = ast.parse(source.read_text())
     except (OSError, SyntaxError):
         return set()
-    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} | {
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)  # a class: an agent
+    return {n.name for n in tree.body if isinstance(n, kinds)} | {
         t.id
         for n in tree.body
         if isinstance(n, ast.Assign)

@@ -20,7 +20,11 @@ class SFTConfig:
     )
     messages_key: str = field(
         "",
-        "Column of chat conversations ([{role, content}]), trained on the assistant turns; empty: prompt/answer rows (dataset.prompt_key, dataset.answer_key).",
+        'Column of chat conversations ([{role, content}]), trained on the assistant turns (one with "weight": 0 is context only); empty: prompt/answer rows (dataset.prompt_key, dataset.answer_key).',
+    )
+    tools_key: str = field(
+        "",
+        "With messages_key: a column of OpenAI tool schemas ([{type: function, function: {...}}]) the chat template renders before the conversation, as the agent proxy does for a request's tools; assistant turns may hold tool_calls and tool turns their results. Empty: no tools.",
     )
     label_smoothing: float = field(
         0.0,

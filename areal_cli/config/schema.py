@@ -47,7 +47,12 @@ RL_ACTOR_KEYS = (
     "kl_estimator", "loss_agg_mode",
 )  # fmt: skip
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-BUILTIN_MODELS = ("tiny", "small", "tiny-arith")  # model.path: builtin:NAME (areal_cli.models)
+BUILTIN_MODELS = (
+    "tiny",
+    "small",
+    "tiny-arith",
+    "tiny-tool",
+)  # model.path: builtin:NAME (areal_cli.models)
 # Their config.json fields that validation and --dry-run need before they are built
 # (tests/inference/test_tiny_model.py checks them against a real build).
 _TINY = {
@@ -63,6 +68,7 @@ _TINY = {
 BUILTIN_ARCHITECTURES = {
     "tiny": _TINY,
     "tiny-arith": _TINY,
+    "tiny-tool": _TINY,
     "small": {
         **_TINY,
         "hidden_size": 512,
@@ -335,6 +341,17 @@ class ParallelStrategy:
 
 
 @dataclass
+class ProxyConfig:
+    """The agent proxy (rollout.agent): OpenAI routes in front of the servers."""
+
+    host: str = field(
+        "127.0.0.1",
+        "Address the proxy binds; anything but loopback needs inference.api_key, which then guards every route.",
+    )
+    port: int = field(0, "Port of the proxy; 0 picks a free one.", ge=0, le=65535)
+
+
+@dataclass
 class RolloutConfig:
     """The asynchronous rollout loop."""
 
@@ -356,6 +373,32 @@ class RolloutConfig:
         "Episode workflow: single_turn, multi_turn, or module:function (an async run_episode beside the recipe).",
     )
     max_turns: int = field(2, "Turns per episode for the multi_turn workflow.", ge=1)
+    agent: str = field(
+        "",
+        "An agent written against the OpenAI SDK, as module:Name beside the recipe: a class with async run(self, data, **kwargs), or an async function (data, **kwargs). It gets the dataset row and base_url, api_key and http_client for the run's agent proxy, and returns a float reward or a dict of completion id to reward. Empty: the workflow runs episodes.",
+    )
+    agent_timeout_s: float = field(
+        600.0,
+        "An agent episode running longer is cancelled, counted as agent_timeouts, and dropped.",
+        gt=0,
+    )
+    agent_samples: str = field(
+        "concat",
+        "How an agent's completions become training samples: concat (turns that extend one another's tokens join into one sequence, loss on the generated tokens only) or individual (one sample per completion).",
+        choices=("concat", "individual"),
+    )
+    turn_discount: float = field(
+        1.0,
+        "Each completion that the agent's reward does not name gets the reward of the one after it times this (the last gets the episode's reward).",
+        gt=0,
+        le=1,
+    )
+    tool_parser: str = field(
+        "auto",
+        "How the agent proxy reads tool calls from replies: auto (from the chat template), hermes (<tool_call>{json}</tool_call>), llama3 (a JSON object) or none.",
+        choices=("auto", "hermes", "llama3", "none"),
+    )
+    proxy: ProxyConfig = sub(ProxyConfig)
     request_timeout_s: float = field(600.0, "Timeout of one /generate request.", gt=0)
     request_retries: int = field(3, "Retries of a failed request before the run fails.", ge=0)
     dynamic_sampling: bool = field(
@@ -461,6 +504,11 @@ class EmbeddedServerConfig:
     )
     device: str = field(
         "auto", "auto (CUDA when present), cpu or cuda.", choices=("auto", "cpu", "cuda")
+    )
+    context_length: int | None = field(
+        None,
+        "Longest prompt plus reply in tokens; null: the model's max_position_embeddings.",
+        ge=1,
     )
 
 

@@ -296,16 +296,20 @@ def reply_ids(tokenizer: Any, answer: Any, where: str) -> list[int]:
 
 
 def chat_ids(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Apply the chat template (by default with the generation prompt) and return the
-    token ids."""
+    """Apply the chat template (by default with the generation prompt; with `tools`, the
+    OpenAI tool schemas it renders) and return the token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise DatasetError(
             "the tokenizer has no chat template; set dataset.apply_chat_template: false"
         )
+    extra = {"tools": tools} if tools else {}  # only when given: not every tokenizer takes it
     out = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
     )
     # transformers 5 returns a BatchEncoding here, 4.x a plain list of ids.
     return list(out["input_ids"] if isinstance(out, Mapping) else out)

@@ -4,14 +4,17 @@ Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1]
        [--dtype float32|bfloat16] [--weight-version V] [--max-running-requests M]
        [--api-key K] [--served-model-name NAME] [--random-seed S] [--device auto|cpu|cuda]
        [--schedule-policy lof|fcfs] [--watch-weights DIR] [--weight-root DIR ...]
+       [--context-length N] [--tool-call-parser auto|hermes|llama3|none]
        [--insecure-no-api-key]
 
 Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /pause_generation, /continue_generation, /abort_request, /update_weight_version,
 /flush_cache, /health, /health_generate, /model_info, /get_model_info, /server_info.
 OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-(one response, n=1; `stop` strings, `tools` and top alternatives are not supported, and
-any field a route does not honour is refused with a 400 naming it, never dropped).
+(one response, n=1; `stop` strings and top alternatives are not supported, and any field
+a route does not honour is refused with a 400 naming it, never dropped). The chat route
+takes `tools` and answers parsed `tool_calls` (areal_cli.data.chat; --tool-call-parser,
+from the chat template by default).
 With --api-key every route except /health and /health_generate needs
 `Authorization: Bearer KEY`. The port is bound only after the model has loaded, so a 200
 from /health means ready. SIGINT/SIGTERM stop it cleanly (in-flight requests are aborted).
@@ -41,6 +44,13 @@ from typing import Any
 from aiohttp import web
 
 from areal_cli.config.schema import DTYPES
+from areal_cli.data.chat import (
+    TOOL_PARSERS,
+    ChatRequestError,
+    chat_prompt_ids,
+    parse_reply,
+    resolve_tool_parser,
+)
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.inference.guards import bind_problem, weight_path_problem
@@ -85,12 +95,14 @@ class InferenceServer:
         served_model_name: str,
         api_key: str | None,
         weight_roots: list[str] | None = None,
+        tool_parser: str = "auto",
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.weight_roots = list(weight_roots or [])
         self.created = int(time.time())
+        self.tool_parser = tool_parser  # made concrete per request (resolve_tool_parser)
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -289,18 +301,22 @@ class InferenceServer:
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list")
-        prompt = self.engine.tokenizer.apply_chat_template(
-            [_flatten_message(m) for m in messages], add_generation_prompt=True, tokenize=False
-        )
+        tools = body.get("tools")
+        try:
+            prompt = chat_prompt_ids(self.engine.tokenizer, body.get("messages"), tools)
+        except ChatRequestError as err:
+            raise BadRequest(str(err)) from None
         out = await self.engine.generate(self._openai_request(body, prompt))
+        parser = "none"
+        if tools and body.get("tool_choice") != "none":
+            parser = resolve_tool_parser(self.tool_parser, self.engine.tokenizer)
+        reply = parse_reply(out.text, parser)
+        finish = OPENAI_FINISH[out.finish_reason["type"]]
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": out.text},
+            "message": reply.message(),
             "logprobs": self._chat_logprobs(out) if body.get("logprobs") else None,
-            "finish_reason": OPENAI_FINISH[out.finish_reason["type"]],
+            "finish_reason": "tool_calls" if reply.tool_calls and finish == "stop" else finish,
         }
         return web.json_response(
             self._openai_envelope("chat.completion", "chatcmpl", [choice], [out])
@@ -386,13 +402,13 @@ _OPENAI_FIELDS = frozenset(
         "n", "stream", "user",
     }
 )  # fmt: skip
-CHAT_FIELDS = _OPENAI_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _OPENAI_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+}  # fmt: skip
 COMPLETION_FIELDS = _OPENAI_FIELDS | {"prompt"}
 _WHY = {
-    "tools": "tool calls are not supported by this server",
-    "tool_choice": "tool calls are not supported by this server",
-    "functions": "function calls are not supported by this server",
-    "function_call": "function calls are not supported by this server",
+    "functions": "the legacy functions field is not supported; send tools",
+    "function_call": "the legacy function_call field is not supported; send tool_choice",
 }
 
 
@@ -472,16 +488,6 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     raise BadRequest("prompt must be a string, a list of token ids, or a list of those")
 
 
-def _flatten_message(message: Any) -> dict[str, str]:
-    """OpenAI messages may carry content as a list of parts; keep the text parts."""
-    if not isinstance(message, dict) or "role" not in message:
-        raise BadRequest("each message needs a role and content")
-    content = message.get("content") or ""
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return {"role": str(message["role"]), "content": str(content)}
-
-
 # --------------------------------------------------------------------------- process
 
 
@@ -493,6 +499,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="Longest prompt plus reply in tokens; default: the model's max_position_embeddings.",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default="auto",
+        help="How the chat route reads tool calls from replies; auto: from the chat template.",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("AREAL_API_KEY") or None,
@@ -545,12 +563,13 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version,
         random_seed=args.random_seed,
         schedule_policy=args.schedule_policy,
+        context_length=args.context_length,
     )
     if args.watch_weights:
         engine.watch_for_weights(args.watch_weights)
     name = args.served_model_name or args.model_path
     roots = args.weight_root + ([args.watch_weights] if args.watch_weights else [])
-    server = InferenceServer(engine, name, args.api_key, roots)
+    server = InferenceServer(engine, name, args.api_key, roots, args.tool_call_parser)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     stop = asyncio.Event()

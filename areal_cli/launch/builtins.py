@@ -44,7 +44,7 @@ def cached(model: str, seed: int, say: Callable[[str], None] = lambda line: None
     name = model.removeprefix("builtin:")
     progress = BuildProgress(f"building builtin:{name}")
     try:
-        return builtin.build_cached(name, seed, build_tiny_arith, progress, say)
+        return builtin.build_cached(name, seed, build_sft, progress, say)
     finally:
         progress.close()
 
@@ -56,7 +56,25 @@ def materialize(
     needed)."""
     name = model.removeprefix("builtin:")
     cached(name, seed, say)
-    return builtin.materialize(name, seed, dest, build_tiny_arith)
+    return builtin.materialize(name, seed, dest, build_sft)
+
+
+def build_sft(name: str, out_dir: Path, seed: int, progress: Progress | None = None) -> dict:
+    """Make builtin model `name` (one of builtin.SFT_BUILT) by its SFT run."""
+    builders = {"tiny-arith": build_tiny_arith, "tiny-tool": build_tiny_tool}
+    return builders[name](out_dir, seed, progress)
+
+
+def build_tiny_tool(out_dir: Path, seed: int, progress: Progress | None = None) -> dict:
+    """builtin:tiny-tool for `seed` into `out_dir` (areal_cli.models.tool_model); returns
+    what its info file holds."""
+    from areal_cli.models.tool_model import SFT_RECIPE as TOOL_RECIPE
+    from areal_cli.models.tool_model import TOOL_SHARE, write_tool_data
+
+    def describe(checkpoint: Path, metrics: list[dict]) -> dict:
+        return {"base": "builtin:tiny", "tool_share": TOOL_SHARE}
+
+    return _build_by_sft(out_dir, TOOL_RECIPE, write_tool_data, seed, (), progress, describe)
 
 
 def build_tiny_arith(out_dir: Path, seed: int, progress: Progress | None = None) -> dict:
@@ -78,31 +96,51 @@ def build_arith_demo_model(
     """Build tiny-arith into `out_dir` atomically by running the SFT recipe (see the
     module docstring; `overrides` are extra `key=value`s for it), graded by `score`;
     returns what demo_model.json holds."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    def describe(checkpoint: Path, metrics: list[dict]) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        return {
+            "base": "builtin:tiny",
+            **evaluate(model, tokenizer, score, eval_samples, 6, seed + 1),
+        }
+
+    return _build_by_sft(out_dir, SFT_RECIPE, write_arith_data, seed, overrides, progress, describe)
+
+
+def _build_by_sft(
+    out_dir: Path,
+    sft_recipe: Path,
+    write_data: Callable[[Path], object],
+    seed: int,
+    overrides: tuple[str, ...],
+    progress: Progress | None,
+    describe: Callable[[Path, list[dict]], dict],
+) -> dict:
+    """Run `sft_recipe` beside the data `write_data` writes, and put its final checkpoint
+    at `out_dir` atomically with an info file: how it was made, its losses, and what
+    `describe(checkpoint, metrics)` adds."""
     out_dir = out_dir.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         work = tmp / "sft"
         work.mkdir()
-        write_arith_data(work)
-        recipe = Path(shutil.copy(SFT_RECIPE, work / SFT_RECIPE.name))
+        write_data(work)
+        recipe = Path(shutil.copy(sft_recipe, work / sft_recipe.name))
         checkpoint, metrics = _run_sft(recipe, tmp / "runs", seed, overrides, progress)
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-        stats = evaluate(model, tokenizer, score, eval_samples, 6, seed + 1)
         held_out = [m["eval_loss"] for m in metrics if "eval_loss" in m]
         info = {
-            "base": "builtin:tiny",
             "seed": seed,
-            "made_by": f"areal train {SFT_RECIPE.name} " + " ".join(overrides),
+            "made_by": f"areal train {sft_recipe.name} " + " ".join(overrides),
             "steps": len(metrics),
             "first_loss": metrics[0]["loss"],
             "final_loss": metrics[-1]["loss"],
             "held_out_loss": held_out,
-            **stats,
+            **describe(checkpoint, metrics),
         }
         # a plain HF folder: the run's entry manifest describes a checkpoint, not this model
         (checkpoint / handoff.MANIFEST).unlink()
@@ -135,7 +173,8 @@ def _run_sft(
 
     from areal_cli.rundir.process import die_with_parent
 
-    total = int(yaml.safe_load(recipe.read_text())["total_train_steps"])
+    settings = yaml.safe_load(recipe.read_text())
+    total = int(settings["total_train_steps"])
     for item in overrides:
         if item.startswith("total_train_steps="):
             total = int(item.split("=", 1)[1])
@@ -151,7 +190,7 @@ def _run_sft(
         "logging.display=plain",
         *overrides,
     ]
-    run_dir = fileroot / "tiny-sft" / "trial0"
+    run_dir = fileroot / settings["experiment_name"] / "trial0"
     output = fileroot.parent / "sft-output.log"
     with open(output, "wb") as log:
         child = subprocess.Popen(
@@ -171,7 +210,7 @@ def _run_sft(
     if child.returncode != 0 or not found:
         tail = "\n".join(output.read_text(errors="replace").strip().splitlines()[-15:])
         raise RuntimeError(
-            f"building builtin:tiny-arith failed: `areal train {recipe.name}` exited with "
+            f"building a builtin model failed: `areal train {recipe.name}` exited with "
             f"{child.returncode}; the last lines of its output:\n{tail}"
         )
     if progress is not None:

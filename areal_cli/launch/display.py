@@ -97,6 +97,15 @@ def print_dry_run(
         return
     console = make_console()
     print_plan(plan, console, secret=secret, trainer=trainer)
+    rollout = loaded.config.rollout
+    if rollout.agent:
+        where = f"{rollout.proxy.host}:{rollout.proxy.port or 'a free port'}"
+        console.print(
+            f"agent proxy: {where} in the controller, OpenAI routes for {rollout.agent} "
+            f"(samples {rollout.agent_samples}, tool calls {rollout.tool_parser}, "
+            f"{rollout.agent_timeout_s:g} s per episode)",
+            markup=False,
+        )
     launcher = loaded.config.launcher
     if not (launcher.inference_base_port and launcher.trainer_port):
         console.print(

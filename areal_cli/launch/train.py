@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.config.loader import LoadedConfig, to_yaml
+from areal_cli.config.model_info import model_config
 from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import SUPERVISED, ExperimentConfig
 from areal_cli.launch import runs
@@ -87,14 +88,15 @@ def read_data(
         source = cfg.model.path
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or source)
     prompts = load_dataset_prompts(tokenizer, cfg.dataset, warn)
+    context = int((model_config(str(source)) or {}).get("max_position_embeddings") or 0)
     ev = cfg.eval
     if not ev.freq_steps:
-        return RolloutData(prompts, tokenizer)
+        return RolloutData(prompts, tokenizer, context_length=context)
     if ev.dataset.path:
         held = load_dataset_prompts(tokenizer, ev.dataset, warn, key="eval.dataset")
     else:
         prompts, held = hold_out(prompts, ev.holdout, cfg.dataset.seed)
-    return RolloutData(prompts, tokenizer, held[: ev.max_prompts or None])
+    return RolloutData(prompts, tokenizer, held[: ev.max_prompts or None], context)
 
 
 def hold_out(prompts: list, n: int, seed: int) -> tuple[list, list]:

@@ -3,6 +3,8 @@
   tiny        ~1M-parameter Llama with a locally trained tokenizer (random weights)
   small       ~23M-parameter variant of tiny (for benchmarks)
   tiny-arith  tiny after a short supervised warm-up on single-digit addition (the demo)
+  tiny-tool   tiny after a supervised warm-up on two-digit sums, some with an `add` tool
+              call (the tool-agent recipe's start)
 
 Each (name, seed) is built once into the cache (`$AREAL_CACHE_DIR`, default
 `~/.cache/areal`), atomically, and then linked into the run directory. Builds are
@@ -24,11 +26,11 @@ from pathlib import Path
 
 from areal_cli.config.schema import BUILTIN_MODELS
 
-BUILD_VERSION = "v3"  # bump when a builder changes what it builds, so caches are not reused
+BUILD_VERSION = "v4"  # bump when a builder changes what it builds, so caches are not reused
 Progress = Callable[[int, int], None]  # (steps done, steps in all) of a build
-# Builds a model that an SFT run makes (OUT, seed, progress): launch.builtins gives it.
-BuildSFT = Callable[[Path, int, Progress | None], object]
-SFT_BUILT = ("tiny-arith",)  # made by the product's own SFT run, not built here
+# Builds a model that an SFT run makes (NAME, OUT, seed, progress): launch.builtins gives it.
+BuildSFT = Callable[[str, Path, int, Progress | None], object]
+SFT_BUILT = ("tiny-arith", "tiny-tool")  # made by the product's own SFT run, not built here
 
 
 def cache_dir() -> Path:
@@ -54,7 +56,7 @@ def _build(
                     f"builtin:{name} is made by an SFT run: build it through "
                     "areal_cli.launch.builtins (areal train and areal serve do)"
                 )
-            build_sft(out, seed, progress)
+            build_sft(name, out, seed, progress)
         else:
             from areal_cli.models.tiny_model import build_tiny_model
 

@@ -64,10 +64,10 @@ def arith_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
 def write_arith_data(out_dir: Path, seed: int = 0) -> list[Path]:
     """The train and test files of the task (recipes/data holds these for seed 0), each
     written to a temp file and renamed into place."""
-    return _write_files(out_dir, DATA_FILES, arith_rows, random.Random(seed))
+    return write_files(out_dir, DATA_FILES, arith_rows, random.Random(seed))
 
 
-def _write_files(out_dir: Path, files, make_rows, rng: random.Random) -> list[Path]:
+def write_files(out_dir: Path, files, make_rows, rng: random.Random) -> list[Path]:
     """Each (name, n) of `files` as OUT_DIR/name: n rows of make_rows(rng, n), written to a
     temp file and renamed into place."""
     paths = []
@@ -100,7 +100,7 @@ def preference_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
 
 def write_preference_data(out_dir: Path, seed: int = 0) -> list[Path]:
     """The train and test preference files (recipes/data holds these for seed 0)."""
-    return _write_files(out_dir, PREFERENCE_FILES, preference_rows, random.Random(seed + 1))
+    return write_files(out_dir, PREFERENCE_FILES, preference_rows, random.Random(seed + 1))
 
 
 def problems() -> list[tuple[int, int]]:

@@ -29,16 +29,37 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
 
 # Each turn is "<|role|>\ncontent<|eos|>\n"; the assistant's turn ends with EOS, so a
-# chat completion stops on the ordinary EOS token.
+# chat completion stops on the ordinary EOS token. Tools are Hermes-style (what Qwen's
+# templates do, and what areal_cli.data.chat reads back): a system turn first names each
+# function with its parameters (`Tools: add(a, b)`: compact, for a 1024-token model), an
+# assistant's calls are <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and a
+# tool's result is a user turn inside <tool_response>. A conversation without tools
+# renders as it always did.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>\\nTools:' }}"
+    "{% for tool in tools %}{% set fn = tool.function if tool.function is defined else tool %}"
+    "{{ ' ' + fn.name + '(' + (fn.get('parameters') or {}).get('properties', {}) | join(', ') + ')' }}"
+    "{% endfor %}"
+    '{{ \'\\nCall one as <tool_call>{"name": NAME, "arguments": {...}}</tool_call><|eos|>\\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>' + message['content'] + '</tool_response><|eos|>\\n' }}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{% for call in message.tool_calls %}"
+    "{{ '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments}"
+    " | tojson) + '</tool_call>' }}"
+    "{% endfor %}{{ '<|eos|>\\n' }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|eos|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
 # Bumped whenever the output of a given (preset, seed) changes, so a stale folder is rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the chat template renders tools
 MARKER_FILE = "areal_tiny_model.json"
 CORPUS_SEED = 1234
 # Upper bound for BPE training; the synthetic corpus runs out of merges a little below it.

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from areal_cli.rollout.errors import RunFailed
 from areal_cli.rollout.state import Group, LoopState, RolloutContext
-from areal_cli.rollout.workflows import Trajectory
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import STEP_PREFIX, RunDir
 
@@ -95,7 +94,9 @@ def take_fresh(
         group = state.ready.popleft()
         if isinstance(group, BaseException):
             raise RunFailed(f"a rollout failed: {group}") from group
-        if not gate.fresh(state.next_step, group.oldest_version):
+        if not group.trajectories:  # every agent episode of it was dropped
+            state.dropped_empty += 1
+        elif not gate.fresh(state.next_step, group.oldest_version):
             state.dropped_stale += 1
         elif sampling.enabled and group.uniform:
             state.dropped_uniform.append(group)
@@ -138,7 +139,17 @@ def rollout_figures(
         "reward_timeouts": float(sum(t.reward_timed_out for t in trajs)),
         "dropped_stale": float(state.dropped_stale),
         "controller_wait_s": state.gate_wait_s,
+        **_summed_counters(groups),
     }
+
+
+def _summed_counters(groups: list[Group]) -> dict[str, float]:
+    """The agent episodes' counts of the batch's groups (none for workflows)."""
+    out: dict[str, float] = {}
+    for group in groups:
+        for key, value in group.counters.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def write_rollout_batch(
@@ -147,12 +158,16 @@ def write_rollout_batch(
     """Pack the groups into RUN/rollouts/step-K and remember their figures."""
     from areal_cli.rundir.batch import write_batch
 
-    batch = _pack([t for g in groups for t in g.trajectories], ctx.cfg.rollout.group_size)
+    batch = _pack(groups, ctx.cfg.rollout.group_size)
     batch.max_new_tokens = ctx.cfg.gconfig.max_new_tokens
     stats = rollout_figures(ctx.gate, step, groups, state, gen_rate(state, ctx.inference))
     if ctx.cfg.rollout.dynamic_sampling:
         stats["dropped_uniform"] = float(len(state.dropped_uniform))  # for this batch
         stats["batch_groups"] = float(len(groups))
+    if ctx.cfg.rollout.agent:
+        stats["dropped_empty"] = float(state.dropped_empty)
+        stats["batch_samples"] = float(batch.n_seqs)
+        stats["batch_tokens"] = float(batch.seqlens.sum())  # context and generated
     state.gate_wait_s = 0.0
     t0 = time.perf_counter()
     write_batch(
@@ -170,10 +185,16 @@ def write_rollout_batch(
     )
 
 
-def _pack(trajs: list[Trajectory], group_size: int):  # -> areal_cli.rundir.batch.RolloutBatch
+def _pack(groups: list[Group], group_size: int):  # -> areal_cli.rundir.batch.RolloutBatch
+    """The groups' trajectories as one batch; with group ids when a group does not hold
+    `group_size` of them (agent episodes give any number)."""
     import torch
 
     from areal_cli.rundir.batch import RolloutBatch
+
+    trajs = [t for g in groups for t in g.trajectories]
+    ids = [i for i, g in enumerate(groups) for _ in g.trajectories]
+    even = all(len(g.trajectories) == group_size for g in groups)
 
     seqs = [
         {
@@ -184,7 +205,9 @@ def _pack(trajs: list[Trajectory], group_size: int):  # -> areal_cli.rundir.batc
         }
         for t in trajs
     ]
-    batch = RolloutBatch.from_sequences(seqs, [t.reward for t in trajs], group_size)
+    batch = RolloutBatch.from_sequences(
+        seqs, [t.reward for t in trajs], group_size, None if even else ids
+    )
     batch.truncated = torch.tensor([t.truncated for t in trajs], dtype=torch.bool)
     return batch
 

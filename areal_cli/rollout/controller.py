@@ -36,11 +36,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.config.loader import LoadedConfig
+from areal_cli.config.schema import ExperimentConfig
+from areal_cli.rollout.agents import AgentRunner, load_agent
 from areal_cli.rollout.batch import restore_stream, stored_stats
 from areal_cli.rollout.evaluation import Evaluator, eval_task, make_evaluator
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.groups import rollout_task
 from areal_cli.rollout.metrics import MetricsJoin, metrics_task, read_new_lines, steps_in
+from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.state import LoopState, RolloutContext, StepSink
 from areal_cli.rollout.sync import WeightSync
@@ -72,6 +75,7 @@ class RolloutData:
     prompts: list[Prompt]
     tokenizer: PreTrainedTokenizerBase
     eval_prompts: list[Prompt] = field(default_factory=list)  # for eval.freq_steps
+    context_length: int = 0  # the model's (the agent proxy's limit); 0: not known
 
 
 class ChildCheck(Protocol):
@@ -135,8 +139,11 @@ async def run_loop(
         await client.wait_healthy(
             cfg.launcher.startup_timeout_s, on_poll=lambda _: hooks.check_children()
         )
-        ctx = _context(loaded, run_dir, client, rewards, data)
+        proxy = await _start_proxy(cfg, client, data, servers[0].served_model)
+        agents = None if proxy is None else _agent_runner(loaded, proxy)
+        ctx = _context(loaded, run_dir, client, rewards, data, agents)
         state = LoopState(version=0 if start_step == 1 else -1, next_step=start_step)
+        state.episodes = agents  # the watchdog's report names a stuck agent
         restored = restore_stream(ctx.stream, run_dir, start_step)
         state.next_group = ctx.gate.group_index(start_step) if restored is None else restored
         sink.status(f"training ({len(data.prompts)} prompts)")
@@ -148,9 +155,49 @@ async def run_loop(
         finally:
             if evaluator is not None:
                 await evaluator.close()
+            if proxy is not None:
+                await proxy.close()
     finally:
         rewards.close()
         await client.close()
+
+
+async def _start_proxy(
+    cfg: ExperimentConfig, client: InferenceClient, data: RolloutData, served: str
+) -> AgentProxy | None:
+    """The agent proxy in front of the servers, when the recipe names an agent."""
+    if not cfg.rollout.agent:
+        return None
+    from areal_cli.data.chat import resolve_tool_parser
+
+    settings = ProxySettings(
+        host=cfg.rollout.proxy.host,
+        port=cfg.rollout.proxy.port,
+        api_key="" if _loopback(cfg.rollout.proxy.host) else cfg.inference.api_key,
+        served_model=served or "areal",
+        context_length=data.context_length or 4096,
+        tool_parser=resolve_tool_parser(cfg.rollout.tool_parser, data.tokenizer),
+    )
+    proxy = AgentProxy(
+        settings,
+        data.tokenizer,
+        lambda ids, params: client.generate(ids, params, return_logprob=True),
+        cfg.gconfig.sampling_params(),
+    )
+    await proxy.start()
+    return proxy
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def _agent_runner(loaded: LoadedConfig, proxy: AgentProxy) -> AgentRunner:
+    r = loaded.config.rollout
+    return AgentRunner(
+        proxy, load_agent(r.agent, loaded.recipe.resolve().parent), r.agent_samples,
+        r.turn_discount, r.agent_timeout_s, name=r.agent,
+    )  # fmt: skip
 
 
 def _context(
@@ -159,15 +206,19 @@ def _context(
     client: InferenceClient,
     rewards: RewardPool,
     data: RolloutData,
+    agents: AgentRunner | None = None,
 ) -> RolloutContext:
     """The loop's long-lived objects (the prompt stream from its start: run_loop restores
-    a resumed run's position)."""
+    a resumed run's position); with an agent, its episodes are the workflow."""
     from areal_cli.data.prompts import PromptStream
 
     cfg = loaded.config
     stream = PromptStream.from_config(data.prompts, cfg.dataset)
     recipe_dir = loaded.recipe.resolve().parent
-    workflow = resolve_workflow(cfg.rollout.workflow, recipe_dir, cfg.rollout.max_turns)
+    if agents is not None:
+        workflow = agents.episode
+    else:
+        workflow = resolve_workflow(cfg.rollout.workflow, recipe_dir, cfg.rollout.max_turns)
     gate = StalenessGate.from_config(cfg)
     return RolloutContext(cfg, run_dir, client, data.tokenizer, rewards, workflow, stream, gate)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from areal_cli.rollout.batch import assemble_batch
 from areal_cli.rollout.state import Group, LoopState, RolloutContext
-from areal_cli.rollout.workflows import EpisodeClient
+from areal_cli.rollout.workflows import EpisodeClient, Trajectory
 
 if TYPE_CHECKING:
     from areal_cli.data.prompts import Prompt
@@ -37,7 +37,15 @@ async def run_group(
         seed = (cfg.seed * 1_000_003 + group_index * 997 + i * 31) % (2**31)
         client = EpisodeClient(ctx.inference, ctx.tokenizer, cfg.gconfig, ctx.rewards, seed)
         episodes.append(ctx.workflow(client, sample))
-    return Group(list(await asyncio.gather(*episodes)), start_version, prompt.index)
+    group = Group([], start_version, prompt.index)
+    for outcome in await asyncio.gather(*episodes):
+        if isinstance(outcome, Trajectory):
+            group.trajectories.append(outcome)
+        else:  # an agent episode's EpisodeOutcome
+            group.trajectories += outcome.trajectories
+            for key, value in outcome.counters.items():
+                group.counters[key] = group.counters.get(key, 0.0) + value
+    return group
 
 
 async def rollout_task(ctx: RolloutContext, state: LoopState) -> None:

@@ -39,6 +39,7 @@ class Group:
     trajectories: list[Trajectory]
     start_version: int
     prompt_index: int
+    counters: dict[str, float] = field(default_factory=dict)  # agent episodes' counts
 
     @property
     def oldest_version(self) -> int:
@@ -59,6 +60,7 @@ class LoopState:
     in_flight: int = 0  # groups running
     ready: deque[Group | BaseException] = field(default_factory=deque)  # finished, not written
     dropped_stale: int = 0
+    dropped_empty: int = 0  # groups whose agent episodes all failed
     dropped_uniform: list[Group] = field(default_factory=list)  # for the next batch (dynamic)
     next_group: int = 0  # the index of the next group to start (seeds its sampling)
     gate_wait_s: float = 0.0  # time with nothing in flight since the last batch
@@ -72,12 +74,22 @@ class LoopState:
         default_factory=lambda: deque([(0, 0.0)], GEN_RATE_WINDOW + 1)
     )
 
+    episodes: EpisodeWatch | None = None  # agent episodes in flight (rollout.agent)
+
     def describe(self) -> str:
         """The rollout loop's state in a few words (for the watchdog's report)."""
+        agents = f"; {self.episodes.describe()}" if self.episodes is not None else ""
         return (
             f"rollout loop: next batch step-{self.next_step}, servers on "
             f"v{self.version}, {self.in_flight} groups in flight, {len(self.ready)} ready"
+            f"{agents}"
         )
+
+
+class EpisodeWatch(Protocol):
+    """What the watchdog's report says of the agent episodes (areal_cli.rollout.agents)."""
+
+    def describe(self) -> str: ...
 
 
 @dataclass

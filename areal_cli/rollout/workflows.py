@@ -72,7 +72,7 @@ class Trajectory:
         return min(generated) if generated else 0
 
 
-def _token_versions(meta: dict[str, Any], n: int) -> list[int]:
+def token_versions(meta: dict[str, Any], n: int) -> list[int]:
     """Per-token versions from SGLang's `weight_versions` spans, else `weight_version`."""
     spans = meta.get("weight_versions")
     if spans:
@@ -101,10 +101,14 @@ class EpisodeClient:
         self._reward = reward
         self._seed = seed
 
+    def next_seed(self) -> int:
+        """The next sampling seed of this episode (each request takes one)."""
+        self._seed += 1
+        return self._seed - 1
+
     def sampling_params(self, **overrides: Any) -> dict[str, Any]:
         params = self.gconfig.sampling_params()
-        params["sampling_seed"] = self._seed
-        self._seed += 1
+        params["sampling_seed"] = self.next_seed()
         params.update(overrides)
         return params
 
@@ -119,7 +123,7 @@ class EpisodeClient:
         if len(logprobs) != len(ids):
             raise RuntimeError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
         finish = (meta.get("finish_reason") or {}).get("type", "")
-        return Turn(ids, logprobs, _token_versions(meta, len(ids)), out.get("text", ""), finish)
+        return Turn(ids, logprobs, token_versions(meta, len(ids)), out.get("text", ""), finish)
 
     async def reward(self, text: str, sample: dict[str, Any], ids: list[int] | None = None) -> Any:
         """Score `text` against the sample's answer (RewardResult: value, error, timed_out);
@@ -216,7 +220,17 @@ def _score(traj: Trajectory, result: Any, discount: float = 1.0) -> None:
     traj.reward_timed_out = bool(result.timed_out)
 
 
-Workflow = Callable[[EpisodeClient, dict[str, Any]], Awaitable[Trajectory]]
+@dataclass
+class EpisodeOutcome:
+    """What an agent episode gives (areal_cli.rollout.agents): any number of samples, and
+    counts for the metrics line (agent_errors, ...)."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+# A workflow returns one Trajectory, or an EpisodeOutcome.
+Workflow = Callable[[EpisodeClient, dict[str, Any]], Awaitable[Trajectory | EpisodeOutcome]]
 
 
 def resolve_workflow(spec: str, recipe_dir: Path, max_turns: int) -> Workflow:

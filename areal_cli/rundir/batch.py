@@ -14,6 +14,9 @@ Per sequence (length N):
   rewards     float32 scalar reward of each sequence
   advantages  float32 optional; when present the trainer uses them instead of rewards
   truncated   bool    optional; the sequence stopped at max_new_tokens, with no EOS
+  group_ids   int64   optional; the group (prompt) of each sequence, when groups differ in
+                      size (an agent's episodes give a varying number of samples); absent,
+                      the groups are `group_size` consecutive sequences
 The manifest holds group_size and, when the controller wrote it, max_new_tokens: the
 generation limit the batch was sampled under (the overlong penalty reads it).
 """
@@ -46,6 +49,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
     max_new_tokens: int = 0  # 0: not recorded
+    group_ids: torch.Tensor | None = None  # per sequence, when groups differ in size
 
     def __post_init__(self) -> None:
         total = int(self.seqlens.sum())
@@ -56,10 +60,18 @@ class RolloutBatch:
                 )
         if self.rewards.shape != self.seqlens.shape:
             raise ValueError("rewards must have one value per sequence")
-        if len(self.seqlens) % self.group_size:
+        if self.group_ids is not None:
+            if self.group_ids.shape != self.seqlens.shape:
+                raise ValueError("group_ids must have one value per sequence")
+        elif len(self.seqlens) % self.group_size:
             raise ValueError(
                 f"{len(self.seqlens)} sequences do not form groups of {self.group_size}"
             )
+
+    @property
+    def groups(self) -> int | torch.Tensor:
+        """The grouping advantages normalise over (areal_cli.trainer.advantages.Groups)."""
+        return self.group_size if self.group_ids is None else self.group_ids
 
     @property
     def n_seqs(self) -> int:
@@ -80,6 +92,7 @@ class RolloutBatch:
         sequences: list[dict[str, torch.Tensor]],
         rewards: list[float],
         group_size: int,
+        group_ids: list[int] | None = None,
     ) -> RolloutBatch:
         """Pack per-sequence dicts with the four token keys."""
         return cls(
@@ -87,6 +100,7 @@ class RolloutBatch:
             seqlens=torch.tensor([len(s["input_ids"]) for s in sequences], dtype=torch.int64),
             rewards=torch.tensor(rewards, dtype=torch.float32),
             group_size=group_size,
+            group_ids=None if group_ids is None else torch.tensor(group_ids, dtype=torch.int64),
         )
 
 
@@ -108,6 +122,8 @@ def write_batch(
         tensors["advantages"] = batch.advantages.to(torch.float32)
     if batch.truncated is not None:
         tensors["truncated"] = batch.truncated.to(torch.bool)
+    if batch.group_ids is not None:
+        tensors["group_ids"] = batch.group_ids.to(torch.int64)
     data = save({k: v.contiguous() for k, v in tensors.items()})
     info = {"group_size": batch.group_size, "n_seqs": batch.n_seqs, **(meta or {})}
     if batch.max_new_tokens:
@@ -133,4 +149,5 @@ def read_batch(entry: handoff.Entry) -> RolloutBatch:
         advantages=t.get("advantages"),
         truncated=t.get("truncated"),
         max_new_tokens=int(entry.meta.get("max_new_tokens", 0)),
+        group_ids=t.get("group_ids"),
     )

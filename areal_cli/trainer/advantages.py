@@ -13,7 +13,8 @@ is AReaL's):
      as when the advantage is whitened token by token)
 
 A normalisation (`Norm`) subtracts a mean and divides by a standard deviation, each at a
-level of its own: `group` (the `group_size` consecutive sequences of one prompt), `batch`
+level of its own: `group` (the sequences of one prompt: `group_size` consecutive ones, or
+those sharing a group id when groups differ in size, as an agent's do), `batch`
 (the whole global batch: every rank holds it, so no collective is needed) or `none`.
 
   mean   m_i = sum_j w_j x_j / sum_j w_j over i's group or the batch; with leave-one-out,
@@ -89,29 +90,40 @@ def shape_rewards(
     return x if clip is None else x.clamp(-clip, clip)
 
 
-def _sums(values: torch.Tensor, level: str, group_size: int) -> torch.Tensor:
+def _sums(values: torch.Tensor, level: str, groups: int | torch.Tensor) -> torch.Tensor:
     """Each element's group (or batch) sum, broadcast back to [N]."""
     if level == "batch":
         return values.sum().expand_as(values)
-    return values.view(-1, group_size).sum(1, keepdim=True).expand(-1, group_size).reshape(-1)
+    if isinstance(groups, int):
+        return values.view(-1, groups).sum(1, keepdim=True).expand(-1, groups).reshape(-1)
+    totals = torch.zeros(int(groups.max()) + 1, dtype=values.dtype)
+    return totals.index_add_(0, groups, values)[groups]
+
+
+def _check_groups(n: int, groups: int | torch.Tensor) -> None:
+    if isinstance(groups, int):
+        if groups < 1 or n % groups:
+            raise ValueError(f"{n} values are not divisible into groups of {groups}")
+    elif groups.shape != (n,) or groups.dtype != torch.int64 or (n and int(groups.min()) < 0):
+        raise ValueError(f"group ids must be {n} non-negative int64 values, one per sequence")
 
 
 def normalize(
-    x: torch.Tensor, group_size: int, norm: Norm, weights: torch.Tensor | None = None
+    x: torch.Tensor, groups: int | torch.Tensor, norm: Norm, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`norm` applied to per-sequence values `x` [N] (float64), `weights` [N] (default 1)."""
+    """`norm` applied to per-sequence values `x` [N] (float64), `weights` [N] (default 1),
+    over `groups` (a group size, or each sequence's group id)."""
     if x.dim() != 1:
         raise ValueError(f"values must be 1-D [N], got shape {tuple(x.shape)}")
-    if group_size < 1 or x.numel() % group_size:
-        raise ValueError(f"{x.numel()} values are not divisible into groups of {group_size}")
+    _check_groups(x.numel(), groups)
     x = x.to(torch.float64)
     w = torch.ones_like(x) if weights is None else weights.to(torch.float64)
     if norm.mean_level == "none":
         mean = torch.zeros_like(x)
     else:
         total, count = (
-            _sums(w * x, norm.mean_level, group_size),
-            _sums(w, norm.mean_level, group_size),
+            _sums(w * x, norm.mean_level, groups),
+            _sums(w, norm.mean_level, groups),
         )
         if norm.leave_one_out:
             rest = count - w
@@ -121,15 +133,15 @@ def normalize(
     centred = x - mean
     if norm.std_level == "none":
         return centred
-    sq = _sums(w * centred**2, norm.std_level, group_size)
-    count = _sums(w, norm.std_level, group_size) - (1.0 if norm.unbiased else 0.0)
+    sq = _sums(w * centred**2, norm.std_level, groups)
+    count = _sums(w, norm.std_level, groups) - (1.0 if norm.unbiased else 0.0)
     std = torch.where(count > 0, sq / count.clamp(min=1e-300), 0.0).sqrt()
     return centred / (std + norm.eps)
 
 
 def advantages(
     rewards: torch.Tensor,
-    group_size: int,
+    groups: int | torch.Tensor,
     reward_norm: Norm,
     adv_norm: Norm = Norm(),
     trained_tokens: torch.Tensor | None = None,
@@ -150,9 +162,9 @@ def advantages(
         if trained_tokens is None:
             raise ValueError("the overlong penalty needs each sequence's generated tokens")
         r = r + overlong.penalty(trained_tokens)
-    x = normalize(shape_rewards(r, scaling, bias, clip), group_size, reward_norm)
+    x = normalize(shape_rewards(r, scaling, bias, clip), groups, reward_norm)
     if zero_if is not None:
         x = torch.where(zero_if.bool(), 0.0, x)
     if not adv_norm.is_identity:
-        x = normalize(x, group_size, adv_norm, trained_tokens)
+        x = normalize(x, groups, adv_norm, trained_tokens)
     return x.to(torch.float32)

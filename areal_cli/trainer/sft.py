@@ -41,6 +41,7 @@ from torch import nn
 
 from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import ExperimentConfig, TrainEngineConfig
+from areal_cli.data.chat import ChatRequestError, template_message
 from areal_cli.data.prompts import (
     DatasetError,
     chat_ids,
@@ -170,9 +171,11 @@ def load_examples(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Examples:
     if key:  # the loader checks both configured columns: here the one conversation column
         data = dataclasses.replace(data, prompt_key=key, answer_key=key)
     ids_all, targets_all, skipped = [], [], 0
+    tools_key = cfg.sft.tools_key
     for n, row in enumerate(load_prompts(data)):
         if key:
-            ids, targets = _conversation(tokenizer, row[key], n, path)
+            tools = row.get(tools_key) if tools_key else None
+            ids, targets = _conversation(tokenizer, row[key], n, path, tools)
         else:
             prompt = format_prompt(tokenizer, row, dataclasses.replace(data, max_prompt_len=10**9))
             reply = reply_ids(tokenizer, row[cfg.dataset.answer_key], f"{path} row {n}")
@@ -185,17 +188,30 @@ def load_examples(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Examples:
     return Examples(ids_all, targets_all, skipped)
 
 
-def _conversation(tokenizer: Any, messages: Any, n: int, path: str) -> tuple[list[int], list[int]]:
-    """A whole conversation's ids, with the tokens of each assistant turn as targets."""
+def _conversation(
+    tokenizer: Any, messages: Any, n: int, path: str, tools: Any = None
+) -> tuple[list[int], list[int]]:
+    """A whole conversation's ids, with the tokens of each assistant turn as targets (its
+    tool calls too: with `tools`, rendered as the agent proxy renders a request); an
+    assistant turn with `"weight": 0` is context only, as in Axolotl's chat datasets."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise DatasetError(f"{path} row {n}: messages must be a list of {{role, content}}")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise DatasetError(f"{path} row {n}: tools must be a list of OpenAI tool objects")
+    trained = [m.get("role") == "assistant" and m.get("weight", 1) != 0 for m in messages]
+    try:
+        messages = [template_message(m) for m in messages]
+    except ChatRequestError as err:
+        raise DatasetError(f"{path} row {n}: {err}") from None
     ids: list[int] = []
     targets: list[int] = []
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
+    for i in range(len(messages)):
+        if not trained[i]:
             continue
-        before = chat_ids(tokenizer, messages[:i])  # ends with the generation prompt
-        whole = chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = chat_ids(tokenizer, messages[:i], tools=tools)  # ends with the generation prompt
+        whole = chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if whole[: len(before)] != before or whole[: len(ids)] != ids:
             raise DatasetError(
                 f"{path} row {n}: the chat template renders turn {i} differently once the "

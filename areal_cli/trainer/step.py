@@ -196,7 +196,7 @@ def seq_advantages(batch: RolloutBatch, cfg: TrainEngineConfig) -> torch.Tensor:
             batch.max_new_tokens, cfg.overlong_tokens, cfg.overlong_penalty_factor
         )
     return advantages.advantages(
-        batch.rewards.float(), batch.group_size, reward_norm, adv_norm, trained,
+        batch.rewards.float(), batch.groups, reward_norm, adv_norm, trained,
         scaling=cfg.reward_scaling, bias=cfg.reward_bias, clip=cfg.reward_clip,
         overlong=overlong, zero_if=batch.truncated if cfg.mask_no_eos_with_zero else None,
     )  # fmt: skip

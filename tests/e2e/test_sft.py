@@ -60,12 +60,14 @@ STEPS = 6
 LAYOUT_ARGS = ("recover.freq_steps=2",)
 
 
-def run_layouts(run: Callable[..., Path], root: Path) -> dict[str, Path]:
-    """Uninterrupted runs of STEPS steps at d1, d2 and d1t2, by `run` (a module's _run);
-    the d2 one is also its resume test's reference. Shared with test_rm."""
+def run_layouts(
+    run: Callable[..., Path], root: Path, layouts: tuple[str, ...] = ("d1", "d2", "d1t2")
+) -> dict[str, Path]:
+    """Uninterrupted runs of STEPS steps at each of `layouts`, by `run` (a module's _run);
+    one of them is also its resume test's reference. Shared with test_rm."""
     return {
         layout: run(root / layout, STEPS, f"allocation_mode=fsdp:{layout}", *LAYOUT_ARGS)
-        for layout in ("d1", "d2", "d1t2")
+        for layout in layouts
     }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port, run_areal
+from tests.conftest import areal_in_process, free_port, run_areal
 from tests.gloo.conftest import make_batches, torchrun, write_config
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
@@ -163,7 +163,9 @@ def test_bad_sources_and_destinations(recover_entry: tuple[Path, Path], tmp_path
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    refused = run_areal("convert-checkpoint", str(entry), str(busy), "--model-config", str(model))
+    refused = areal_in_process(
+        "convert-checkpoint", str(entry), str(busy), "--model-config", str(model)
+    )
     assert (
         refused.returncode == 2
         and "--force" in refused.stderr
@@ -173,7 +175,7 @@ def test_bad_sources_and_destinations(recover_entry: tuple[Path, Path], tmp_path
     # parent, $HOME or /
     for dst, why in ((busy, "only an earlier areal output"), (entry.parent, "holds SRC"),
                      (Path.home(), "$HOME"), (Path("/"), "$HOME")):  # fmt: skip
-        forced = run_areal(
+        forced = areal_in_process(
             "convert-checkpoint", str(entry), str(dst), "--model-config", str(model), "--force"
         )
         assert forced.returncode == 2 and why in forced.stderr, forced.stderr
@@ -197,5 +199,5 @@ def test_bad_sources_and_destinations(recover_entry: tuple[Path, Path], tmp_path
         and "Traceback" not in result.stderr
     )
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    nothing = run_areal("convert-checkpoint", str(tmp_path / "nope"), str(out))
+    nothing = areal_in_process("convert-checkpoint", str(tmp_path / "nope"), str(out))
     assert nothing.returncode == 2 and "does not exist; give an HF folder" in nothing.stderr

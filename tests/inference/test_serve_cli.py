@@ -163,6 +163,25 @@ def test_server_argv_builds_real_flags() -> None:
         BACKENDS["embedded"].serve_argv(ServeOptions("/m", tp=2), "py")
 
 
+@pytest.mark.parametrize(
+    "backend, running, context",
+    [
+        ("embedded", "--max-running-requests", "--context-length"),
+        ("sglang", "--max-running-requests", "--context-length"),
+        ("vllm", "--max-num-seqs", "--max-model-len"),
+    ],
+)
+def test_serve_limits_reach_each_backend_under_its_own_name(
+    backend: str, running: str, context: str
+) -> None:
+    argv = BACKENDS[backend].serve_argv(
+        ServeOptions("/m", max_running_requests=5, context_length=512), "py"
+    )
+    assert argv[argv.index(running) + 1] == "5" and argv[argv.index(context) + 1] == "512"
+    plain = BACKENDS[backend].serve_argv(ServeOptions("/m"), "py")
+    assert context not in plain
+
+
 def test_start_failure_quotes_the_log(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", "print('model is broken'); raise SystemExit(3)"]
     with pytest.raises(ServerStartError) as err:

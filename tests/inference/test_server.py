@@ -69,16 +69,14 @@ def wait_healthy(server: Server, timeout: float = 120) -> None:
     raise AssertionError("server did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tiny_model_dir_alt: Path) -> Iterator[Server]:
+def serve(model_dir: Path, *flags: str) -> Iterator[Server]:
+    """The embedded server on `model_dir` as a real process (float32, CPU, a free port),
+    with `flags`; stopped with SIGTERM afterwards, which it must survive cleanly."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "areal_cli.inference.server",
-        "--model-path", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--weight-root", str(tiny_model_dir_alt.parent),
-        "--dtype", "float32", "--weight-version", "v0", "--max-running-requests", "8",
-        "--api-key", API_KEY, "--served-model-name", MODEL_NAME, "--random-seed", "0",
-        "--device", "cpu",
+        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--device", "cpu", *flags,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     srv = Server(proc, f"http://127.0.0.1:{port}")
@@ -93,6 +91,16 @@ def server(tiny_model_dir: Path, tiny_model_dir_alt: Path) -> Iterator[Server]:
             proc.kill()
             raise
     assert proc.returncode == 0, proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tiny_model_dir_alt: Path) -> Iterator[Server]:
+    yield from serve(
+        tiny_model_dir,
+        *("--weight-root", str(tiny_model_dir_alt.parent), "--weight-version", "v0"),
+        *("--max-running-requests", "8", "--api-key", API_KEY),
+        *("--served-model-name", MODEL_NAME, "--random-seed", "0"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +219,7 @@ def test_openai_clients(server: Server) -> None:
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools'"),
-        ({"tool_choice": "auto"}, "'tool_choice'"),
+        ({"functions": [{"name": "f"}]}, "'functions'"),
         ({"n": 2}, "'n'"),
         ({"top_logprobs": 3, "logprobs": True}, "'top_logprobs'"),
         ({"stream": True}, "'stream'"),

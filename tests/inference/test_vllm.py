@@ -172,12 +172,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def vllm_server(request: Any, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    """A run's vLLM server (weight-update routes on), in bfloat16, as GPU recipes run it;
+    float32 is checked on the server of `areal serve` (test_areal_serve_runs_vllm): one
+    vLLM start fewer than a server of each dtype here."""
     from areal_cli.launch.local import start_server
 
     port = _port()
-    dtype = request.param
+    dtype = "bfloat16"
     options = ServeOptions(str(tiny_model_dir), port=port, dtype=dtype)
     argv = BACKENDS["vllm"].serve_argv(options, VLLM_PYTHON)
     argv += ["--max-model-len", "1024"]
@@ -203,7 +206,11 @@ def _hf_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> list[
 
 
 def _client(server: Any) -> InferenceClient:
-    return InferenceClient([server.url], backend="vllm", retries=1, backoff_s=0.1)
+    return _client_of(server.url)
+
+
+def _client_of(url: str) -> InferenceClient:
+    return InferenceClient([url], backend="vllm", retries=1, backoff_s=0.1)
 
 
 PROMPT = [1, 5, 6, 7, 8, 9]
@@ -220,8 +227,14 @@ TOLERANCE = {"float32": (1e-4, 1e-5), "bfloat16": (0.25, 0.05)}
 @needs_vllm
 @pytest.mark.slow
 def test_generate_logprobs_match_the_trainer(vllm_server: Any, tiny_model_dir: Path):
+    _check_logprobs(vllm_server.url, vllm_server.dtype, tiny_model_dir)
+
+
+def _check_logprobs(url: str, dtype: str, model_dir: Path) -> None:
+    """vLLM's logprobs of 4 sampled answers against transformers' fp32 forward."""
+
     async def go() -> list[dict]:
-        async with _client(vllm_server) as client:
+        async with _client_of(url) as client:
             params = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}
             calls = [client.generate(PROMPT, {**params, "sampling_seed": i}) for i in range(4)]
             return await asyncio.gather(*calls)
@@ -231,13 +244,11 @@ def test_generate_logprobs_match_the_trainer(vllm_server: Any, tiny_model_dir: P
         ids = out["output_ids"]
         logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert len(ids) == 24 and out["meta_info"]["weight_version"] == "0"
-        expected = _hf_logprobs(tiny_model_dir, PROMPT, ids)
+        expected = _hf_logprobs(model_dir, PROMPT, ids)
         diffs += [abs(a - b) for a, b in zip(logprobs, expected, strict=True)]
     worst, mean = max(diffs), sum(diffs) / len(diffs)
-    print(
-        f"vLLM {vllm_server.dtype} logprobs vs fp32 transformers: max {worst:.2e}, mean {mean:.2e}"
-    )
-    limit_max, limit_mean = TOLERANCE[vllm_server.dtype]
+    print(f"vLLM {dtype} logprobs vs fp32 transformers: max {worst:.2e}, mean {mean:.2e}")
+    limit_max, limit_mean = TOLERANCE[dtype]
     assert worst < limit_max and mean < limit_mean
 
 
@@ -385,8 +396,9 @@ def test_demo_learns_on_vllm(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_areal_serve_runs_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """`areal serve --backend vllm` answers OpenAI completions, and keeps vLLM's
-    unauthenticated weight routes off (no VLLM_SERVER_DEV_MODE)."""
+    """`areal serve --backend vllm` answers OpenAI completions with the limits given,
+    keeps vLLM's unauthenticated weight routes off (no VLLM_SERVER_DEV_MODE), and its
+    float32 logprobs agree with the fp32 trainer's."""
     import urllib.error
     import urllib.request
 
@@ -394,7 +406,8 @@ def test_areal_serve_runs_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
     log = tmp_path / "serve.log"
     cmd = [
         *("serve", str(tiny_model_dir), "--backend", "vllm", "--python", VLLM_PYTHON),
-        *("--port", str(port), "--log", str(log)),
+        *("--port", str(port), "--log", str(log), "--dtype", "float32"),
+        *("--max-running-requests", "8", "--context-length", "1024"),
     ]
     proc = subprocess.Popen(
         [os.environ.get("PYTHON", sys.executable), "-m", "areal_cli.cli", *cmd],
@@ -416,6 +429,7 @@ def test_areal_serve_runs_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(urllib.request.Request(url + "/collective_rpc", b"{}"))
         assert err.value.code == 404
+        _check_logprobs(url, "float32", tiny_model_dir)
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130  # stopped by Ctrl-C, as the README says

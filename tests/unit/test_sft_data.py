@@ -55,6 +55,38 @@ def test_conversation_targets_are_the_assistant_turns(tokenizer, tmp_path) -> No
     assert "2" in decoded and "4" in decoded and "What" not in decoded
 
 
+def test_tool_conversations_train_the_calls_as_the_proxy_renders_them(tokenizer, tmp_path):
+    """With sft.tools_key the template renders the row's tools, a call is a target in the
+    tokens the agent proxy sends, and a turn of weight 0 is context only."""
+    import random
+
+    from areal_cli.data.chat import chat_prompt_ids
+    from areal_cli.models.tool_model import ADD_TOOL, tool_rows
+
+    cfg = ExperimentConfig()
+    cfg.sft.messages_key, cfg.sft.tools_key = "messages", "tools"
+    rows = tool_rows(random.Random(0), 40)
+    ex = load_examples(cfg, tokenizer, write_jsonl(tmp_path / "t.jsonl", rows))
+    kinds = set()
+    for row, ids, targets in zip(rows, ex.input_ids, ex.targets, strict=True):
+        talk = row["messages"]
+        # the first request of an agent episode: what the proxy renders for it
+        prompt = chat_prompt_ids(tokenizer, talk[:1], [ADD_TOOL])
+        assert ids[: len(prompt)] == prompt and not any(targets[: len(prompt)])
+        trained = tokenizer.decode([t for t, m in zip(ids, targets, strict=True) if m])
+        if len(talk) == 2:
+            kinds.add("gives up")
+            assert "cannot add" in trained
+        elif talk[1].get("weight") == 0:
+            kinds.add("answer only")
+            assert "<tool_call>" not in trained and row["answer"] in trained
+        else:
+            kinds.add("calls")
+            assert '<tool_call>{"name": "add", "arguments": {"a": ' in trained
+            assert trained.rstrip().endswith(row["answer"] + "<|eos|>")
+    assert kinds == {"gives up", "answer only", "calls"}
+
+
 def test_a_conversation_without_reply_is_an_error(tokenizer, tmp_path) -> None:
     cfg = ExperimentConfig()
     cfg.sft.messages_key = "messages"
@@ -114,3 +146,15 @@ def test_the_demo_model_is_built_from_the_bundled_data(tmp_path) -> None:
     for cfg in (ours, packaged):  # the data paths and where runs go may differ, nothing else
         cfg.dataset.path = cfg.sft.eval_path = cfg.cluster.fileroot = ""
     assert ours == packaged
+
+
+def test_the_tool_recipes_questions_are_the_bundled_data() -> None:
+    """recipes/data/tool_train.jsonl is tool_model.sum_rows for seed 0."""
+    import json
+    import random
+
+    from areal_cli.models.tool_model import sum_rows
+    from tests.conftest import REPO
+
+    lines = (REPO / "recipes" / "data" / "tool_train.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == sum_rows(random.Random(0), 2000)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import pytest
 
 from areal_cli.config.schema import GenerationHyperparameters
-from areal_cli.rollout.workflows import EpisodeClient, _token_versions, multi_turn, single_turn
+from areal_cli.rollout.workflows import EpisodeClient, multi_turn, single_turn, token_versions
 
 
-def test_token_versions_from_spans() -> None:
+def testtoken_versions_from_spans() -> None:
     meta = {
         "weight_version": "3",
         "weight_versions": [
@@ -19,8 +19,8 @@ def test_token_versions_from_spans() -> None:
             {"version": 3, "start": 2, "end": 5},
         ],
     }
-    assert _token_versions(meta, 5) == [2, 2, 3, 3, 3]
-    assert _token_versions({"weight_version": "4"}, 3) == [4, 4, 4]
+    assert token_versions(meta, 5) == [2, 2, 3, 3, 3]
+    assert token_versions({"weight_version": "4"}, 3) == [4, 4, 4]
 
 
 class _Tokenizer:

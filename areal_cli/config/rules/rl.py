@@ -19,6 +19,7 @@ def check_rl(c: Checker, command: str, launch: bool) -> None:
         _check_callable(
             c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
         )
+        _check_agent(c)
     if (command == "eval" or c.cfg.eval.dataset.path) and c.valid("eval.dataset"):
         check_dataset(
             c, "eval.dataset", c.cfg.eval.dataset.path, launch, required=command == "eval"
@@ -177,6 +178,29 @@ def _check_callable(
     if found is not None:
         message, fix, only_warn = found
         (c.warn if only_warn else c.error)(key, message, fix)
+
+
+def _check_agent(c: Checker) -> None:
+    """rollout.agent runs the episodes and returns their rewards: it replaces the workflow
+    and the reward function. A proxy beyond loopback needs the run's key."""
+    rollout = c.cfg.rollout
+    if not c.valid("rollout.agent", "rollout.proxy.host") or not rollout.agent:
+        return
+    _check_callable(c, "rollout.agent", rollout.agent, (), builtin_prefix=False)
+    for key in ("rollout.workflow", "reward.fn"):
+        if tuple(key.split(".")) in c.loaded.locations:
+            c.error(
+                key,
+                "is not read with rollout.agent: the agent runs each episode and returns its reward",
+                f"remove {key}, or rollout.agent",
+            )
+    host = rollout.proxy.host
+    if host not in ("127.0.0.1", "localhost", "::1") and not c.cfg.inference.api_key:
+        c.error(
+            "rollout.proxy.host",
+            f"{host} is beyond loopback, and the agent proxy would answer anyone without a key",
+            "set inference.api_key (the proxy then needs it), or host: 127.0.0.1",
+        )
 
 
 def _check_eval(c: Checker) -> None:

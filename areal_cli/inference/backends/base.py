@@ -87,6 +87,8 @@ class ServeOptions:
     tp: int = 1
     weight_roots: tuple[str, ...] = ()  # folders it may load weights from (embedded)
     insecure_no_api_key: bool = False  # listen beyond loopback without a key (embedded)
+    max_running_requests: int | None = None  # None: the backend's default
+    context_length: int | None = None  # None: the model's
 
 
 def accepted(answer: Any) -> bool:
@@ -129,6 +131,9 @@ class InferenceBackend(ABC):
     name: ClassVar[str]  # as in allocation_mode and `areal serve --backend`
     module: ClassVar[str]  # `python -m MODULE` starts its server
     dtypes: ClassVar[tuple[str, ...]] = DTYPES  # what --dtype may be
+    # the keys of its config section that `areal serve --max-running-requests` and
+    # `--context-length` set (each backend names them as its own server does)
+    serve_keys: ClassVar[tuple[str, str]] = ("max_running_requests", "context_length")
     # Readiness: a server is used once HEALTH answers 200 and MODELS lists the run's
     # served name (every backend has both routes; the client's wait_healthy).
     health_path: ClassVar[str] = "/health"
@@ -186,8 +191,14 @@ class InferenceBackend(ABC):
         """The default config with `areal serve`'s key and dtype (built so, never changed:
         the section of each backend is named as the backend)."""
         inference = InferenceConfig(api_key=opts.api_key)
-        if opts.dtype is not None:
-            section = replace(getattr(inference, self.name), dtype=opts.dtype)
+        given_opts = {
+            "dtype": opts.dtype,
+            self.serve_keys[0]: opts.max_running_requests,
+            self.serve_keys[1]: opts.context_length,
+        }
+        chosen = {k: v for k, v in given_opts.items() if v is not None}
+        if chosen:
+            section = replace(getattr(inference, self.name), **chosen)
             inference = replace(inference, **{self.name: section})
         return ExperimentConfig(inference=inference)
 

@@ -87,5 +87,5 @@ def embedded_args(
         "--device",
         device,
     ]
-    args += given({"--served-model-name": served_name})
+    args += given({"--served-model-name": served_name, "--context-length": e.context_length})
     return args  # the key travels in the environment (Embedded.run_env)

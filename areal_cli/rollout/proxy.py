@@ -1,0 +1,402 @@
+"""The agent proxy: an OpenAI-compatible HTTP front of the run's inference servers that
+records the exact tokens behind every completion an agent asks for.
+
+An agent (areal_cli.rollout.agents) points the OpenAI SDK's `base_url` at its episode's
+address, `http://HOST:PORT/e/<episode id>/v1`, and calls the API as it would call any
+provider. Routes (also under `/v1/...` with the episode in an `X-Areal-Episode` header):
+  POST /chat/completions   messages, tools, tool_choice, stream, and the sampling fields
+  POST /completions        prompt (text or token ids)
+  GET  /models             the served model (any `model` name is accepted in requests)
+
+For each request the proxy renders the chat template once (areal_cli.data.chat), sends
+the token ids to the servers through the rollout client (so routing, retries, restarts
+and weight versions apply as for any rollout), and records a `Completion`: the prompt ids
+it sent, the output ids, logprobs and per-token weight versions the server returned.
+Training samples are made from those records, never from text tokenized again.
+
+Sampling: the request's max_tokens (or max_completion_tokens), temperature, top_p, top_k
+and stop override the recipe's gconfig, which supplies the rest. The request's `seed` is
+ignored: each completion gets the next seed of its episode, so the episodes of a group
+differ and a resumed run draws the same. Stop strings end the reply at their first
+occurrence; the tokens after the one that completes it are not kept (nor trained on).
+Fields that change nothing here (user, metadata, parallel_tool_calls, stream_options,
+store, ...) are accepted; ones the proxy cannot honour (n > 1, logit_bias, a JSON
+response_format) get a 400 that names them.
+
+Security: the proxy binds loopback unless told otherwise (`rollout.proxy.host`); bound
+elsewhere it needs the run's API key as a Bearer token on every route.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from areal_cli.data.chat import ChatRequestError, chat_prompt_ids, parse_reply
+from areal_cli.rollout.workflows import token_versions
+
+EPISODE_HEADER = "X-Areal-Episode"
+_IGNORED = frozenset(
+    {
+        "model", "user", "metadata", "store", "parallel_tool_calls", "stream_options",
+        "service_tier", "seed", "logprobs", "top_logprobs", "frequency_penalty",
+        "presence_penalty", "stream", "n", "response_format", "logit_bias", "echo",
+        "suffix", "best_of", "reasoning_effort", "modalities", "prediction",
+    }
+)  # fmt: skip
+_SAMPLING = frozenset(
+    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop"}
+)
+_CHAT = frozenset({"messages", "tools", "tool_choice", "chat_template_kwargs"})
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+# generate(input_ids, sampling_params) -> SGLang's /generate answer (InferenceClient's)
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ProxyRequestError(ValueError):
+    """A request the proxy answers with a 400."""
+
+
+@dataclass
+class Completion:
+    """What one request sent to the servers and what they returned."""
+
+    id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # OpenAI's: stop, length or tool_calls
+    text: str
+
+
+@dataclass
+class Episode:
+    """One agent run's completions, in the order they were answered."""
+
+    id: str
+    seed: int
+    completions: list[Completion] = field(default_factory=list)
+    closed: bool = False
+
+    def next_seed(self) -> int:
+        self.seed += 1
+        return self.seed - 1
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    api_key: str = ""  # needed on every route when set
+    served_model: str = "areal"
+    context_length: int = 1024
+    tool_parser: str = "none"  # concrete (areal_cli.data.chat.resolve_tool_parser)
+
+
+class AgentProxy:
+    """The proxy's HTTP server and its episode records (one per run, in the controller)."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        tokenizer: Any,
+        generate: Generate,
+        defaults: Mapping[str, Any],
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._generate = generate
+        self._defaults = dict(defaults)  # the recipe's gconfig as SGLang sampling_params
+        self._episodes: dict[str, Episode] = {}
+        self._runner: web.AppRunner | None = None
+        self.port = settings.port
+        self.created = int(time.time())
+        self.last_request_at = 0.0  # time.monotonic() of the last completion asked for
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024**2)
+        for prefix in ("/e/{episode}/v1", "/v1"):
+            app.router.add_post(prefix + "/chat/completions", self._chat)
+            app.router.add_post(prefix + "/completions", self._completions)
+            app.router.add_get(prefix + "/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def address(self) -> str:
+        host = self.settings.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host  # noqa: S104 (what we dial)
+        return f"http://{host}:{self.port}"
+
+    def base_url(self, episode: Episode) -> str:
+        return f"{self.address}/e/{episode.id}/v1"
+
+    def open_episode(self, seed: int) -> Episode:
+        episode = Episode(uuid.uuid4().hex, seed)
+        self._episodes[episode.id] = episode
+        return episode
+
+    def close_episode(self, episode: Episode) -> list[Completion]:
+        """Forget the episode; a request for it afterwards gets a 404. Its records."""
+        episode.closed = True
+        self._episodes.pop(episode.id, None)
+        return list(episode.completions)
+
+    # ------------------------------------------------------------------ routes
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        key = self.settings.api_key
+        if key and request.headers.get("Authorization") != f"Bearer {key}":
+            return _error(401, "a valid API key is needed (Authorization: Bearer KEY)")
+        try:
+            return await handler(request)
+        except (ProxyRequestError, ChatRequestError) as err:
+            return _error(400, str(err))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.settings.served_model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "areal",
+            "max_model_len": self.settings.context_length,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        episode, body = await self._request(request, _CHAT)
+        prompt = chat_prompt_ids(
+            self.tokenizer,
+            body.get("messages"),
+            body.get("tools"),
+            body.get("chat_template_kwargs"),
+        )
+        done = await self._complete(episode, prompt, body)
+        parser = "none" if body.get("tool_choice") == "none" else self.settings.tool_parser
+        reply = (
+            parse_reply(done.text, parser) if body.get("tools") else parse_reply(done.text, "none")
+        )
+        if reply.tool_calls and done.finish_reason == "stop":
+            done.finish_reason = "tool_calls"
+        if body.get("stream"):
+            return await self._stream_chat(request, done, reply.message())
+        choice = {
+            "index": 0,
+            "message": reply.message(),
+            "logprobs": self._chat_logprobs(done) if body.get("logprobs") else None,
+            "finish_reason": done.finish_reason,
+        }
+        return web.json_response(self._envelope("chat.completion", done, [choice]))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        episode, body = await self._request(request, frozenset({"prompt"}))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str) and prompt:
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            raise ProxyRequestError("prompt must be a non-empty string or list of token ids")
+        done = await self._complete(episode, ids, body)
+        choice = {
+            "index": 0,
+            "text": done.text,
+            "logprobs": None,
+            "finish_reason": done.finish_reason,
+        }
+        if body.get("stream"):
+            return await self._sse(request, [self._envelope("text_completion", done, [choice])])
+        return web.json_response(self._envelope("text_completion", done, [choice]))
+
+    # ------------------------------------------------------------------ the work
+
+    async def _request(
+        self, request: web.Request, own: frozenset[str]
+    ) -> tuple[Episode, dict[str, Any]]:
+        eid = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER, "")
+        episode = self._episodes.get(eid)
+        if episode is None:
+            raise web.HTTPNotFound(
+                text=json.dumps({"error": {"message": f"no open episode {eid!r} at this proxy"}}),
+                content_type="application/json",
+            )
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ProxyRequestError("the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ProxyRequestError("the body must be a JSON object")
+        _refuse(body, own)
+        return episode, body
+
+    def _sampling(self, episode: Episode, body: Mapping[str, Any], n_prompt: int) -> dict:
+        room = self.settings.context_length - n_prompt
+        if room < 1:
+            raise ProxyRequestError(
+                f"the prompt has {n_prompt} tokens; the model's context is "
+                f"{self.settings.context_length}: shorten the conversation"
+            )
+        params = dict(self._defaults)
+        for ours, theirs in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+        ):
+            if body.get(theirs) is not None:
+                params[ours] = body[theirs]
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if limit is not None:
+            params["max_new_tokens"] = int(limit)
+        params["max_new_tokens"] = min(int(params.get("max_new_tokens", room)), room)
+        params["sampling_seed"] = episode.next_seed()
+        return params
+
+    async def _complete(self, episode: Episode, prompt: list[int], body: Mapping) -> Completion:
+        params = self._sampling(episode, body, len(prompt))
+        self.last_request_at = time.monotonic()
+        answer = await self._generate(prompt, params)
+        if episode.closed:  # the episode ended (timeout) while this request ran
+            raise web.HTTPGone(text="the episode is over")
+        meta = answer.get("meta_info", {})
+        ids = list(answer.get("output_ids", []))
+        logprobs = [float(lp[0]) for lp in meta.get("output_token_logprobs", [])]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
+        versions = token_versions(meta, len(ids))
+        finish = _OPENAI_FINISH.get((meta.get("finish_reason") or {}).get("type", ""), "stop")
+        text = answer.get("text", "")
+        stops = _stops(body.get("stop"))
+        if stops:
+            ids, text, finish = self._cut_at_stop(ids, text, stops, finish)
+            logprobs, versions = logprobs[: len(ids)], versions[: len(ids)]
+        done = Completion(
+            f"chatcmpl-{uuid.uuid4().hex}", list(prompt), ids, logprobs, versions, finish, text
+        )
+        episode.completions.append(done)
+        return done
+
+    def _cut_at_stop(
+        self, ids: list[int], text: str, stops: list[str], finish: str
+    ) -> tuple[list[int], str, str]:
+        """The reply up to the first stop string (excluded from the text), and the fewest
+        tokens whose text holds it."""
+        at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if at < 0:
+            return ids, text, finish
+        hit = next(s for s in stops if text.find(s) == at)
+        for n in range(1, len(ids) + 1):
+            if hit in self.tokenizer.decode(ids[:n], skip_special_tokens=True):
+                return ids[:n], text[:at], "stop"
+        return ids, text[:at], "stop"
+
+    # ------------------------------------------------------------------ answers
+
+    def _envelope(self, kind: str, done: Completion, choices: list[dict]) -> dict[str, Any]:
+        n_prompt, n_out = len(done.prompt_ids), len(done.output_ids)
+        return {
+            "id": done.id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.settings.served_model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out,
+            },
+        }
+
+    def _chat_logprobs(self, done: Completion) -> dict[str, Any]:
+        tokens = [self.tokenizer.decode([t]) for t in done.output_ids]
+        return {
+            "content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                for tok, lp in zip(tokens, done.logprobs, strict=True)
+            ]
+        }
+
+    async def _stream_chat(
+        self, request: web.Request, done: Completion, message: dict[str, Any]
+    ) -> web.StreamResponse:
+        """The whole answer as OpenAI's chunks: the role, the content, each tool call, and
+        the finish reason (the reply is generated first, then sent)."""
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        if message.get("content"):
+            deltas.append({"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls", [])):
+            deltas.append({"tool_calls": [{"index": i, **call}]})
+        chunks = [
+            self._envelope(
+                "chat.completion.chunk", done, [{"index": 0, "delta": d, "finish_reason": None}]
+            )
+            for d in deltas
+        ]
+        last = {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
+        chunks.append(self._envelope("chat.completion.chunk", done, [last]))
+        for chunk in chunks[:-1]:
+            chunk.pop("usage")
+        return await self._sse(request, chunks)
+
+    @staticmethod
+    async def _sse(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _refuse(body: Mapping[str, Any], own: frozenset[str]) -> None:
+    for key in body:
+        if key not in _IGNORED and key not in _SAMPLING and key not in own:
+            raise ProxyRequestError(
+                f"'{key}' is not supported by areal's agent proxy; leave it out"
+            )
+    if body.get("n") not in (None, 1):
+        raise ProxyRequestError("'n' above 1 is not supported; send one request per sample")
+    if body.get("logit_bias"):
+        raise ProxyRequestError("'logit_bias' is not supported; leave it out")
+    fmt = body.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+        raise ProxyRequestError(
+            f"response_format {fmt.get('type')!r} is not supported: the proxy does not "
+            "constrain decoding; ask for the format in the prompt"
+        )
+
+
+def _stops(stop: Any) -> list[str]:
+    if stop is None or stop == "":
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise ProxyRequestError("stop must be a string or a list of strings")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
+        status=status,
+    )

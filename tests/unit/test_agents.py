@@ -1,0 +1,154 @@
+"""Agent episodes without processes: tool calls read from replies, completions turned into
+samples (concat and individual), rewards passed back through turns, groups of any size
+in the advantages, and the recipe rules of rollout.agent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal_cli.config.errors import ConfigErrors
+from areal_cli.config.loader import load_config
+from areal_cli.config.rules import check_config
+from areal_cli.data.chat import detect_tool_parser, parse_reply
+from areal_cli.rollout.agents import completion_rewards, concat_samples
+from areal_cli.rollout.proxy import Completion
+from areal_cli.trainer.advantages import PRESETS, advantages
+
+
+def _done(cid: str, prompt: list[int], out: list[int], version: int = 0) -> Completion:
+    return Completion(cid, prompt, out, [-0.5] * len(out), [version] * len(out), "stop", "")
+
+
+# ---------------------------------------------------------------------- tool calls
+
+
+def test_hermes_tool_calls_and_the_text_around_them() -> None:
+    text = 'Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    text += '<tool_call>\n{"name": "mul", "arguments": "{\\"b\\": 2}"}\n</tool_call>'
+    reply = parse_reply(text, "hermes")
+    assert reply.content == "Let me add."
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [
+        ("add", '{"a": 1}'),
+        ("mul", '{"b": 2}'),
+    ]
+    assert len({c.id for c in reply.tool_calls}) == 2
+    message = reply.message()
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "add", "arguments": {"a": 1}</tool_call>',  # bad JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"na',  # left open
+        "<tool_call>[1, 2]</tool_call>",
+    ],
+)
+def test_a_malformed_tool_call_is_plain_content(text: str) -> None:
+    reply = parse_reply(text, "hermes")
+    assert reply.content == text and reply.tool_calls == ()
+    assert "tool_calls" not in reply.message()
+
+
+def test_llama3_json_tool_calls() -> None:
+    one = parse_reply('<|python_tag|>{"name": "add", "parameters": {"a": 1}}', "llama3")
+    assert one.content is None and one.tool_calls[0].arguments == '{"a": 1}'
+    two = parse_reply('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}', "llama3")
+    assert [c.name for c in two.tool_calls] == ["a", "b"]
+    assert parse_reply("The answer is {not json}", "llama3").tool_calls == ()
+    assert parse_reply('{"name": "add"', "llama3").content == '{"name": "add"'
+    assert parse_reply('{"name": "add", "parameters": {}}', "none").tool_calls == ()
+
+
+def test_the_parser_comes_from_the_chat_template() -> None:
+    assert (
+        detect_tool_parser("...<tool_call>\\n{{ tool_call | tojson }}</tool_call>...") == "hermes"
+    )
+    assert detect_tool_parser("{{- '<|python_tag|>' }}{{ '<|eot_id|>' }}") == "llama3"
+    assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}") == "none"
+    assert detect_tool_parser(None) == "none"
+
+
+# ---------------------------------------------------------------------- samples
+
+
+def test_rewards_pass_back_through_turns_by_the_discount() -> None:
+    runs = [_done(c, [1], [2]) for c in "abc"]
+    assert completion_rewards(runs, 1.0, 0.5) == [0.25, 0.5, 1.0]
+    assert completion_rewards(runs, {"b": 2.0}, 0.5) == [1.0, 2.0, 0.0]
+    assert completion_rewards(runs, {"a": 1.0, "c": -1.0}, 1.0) == [1.0, -1.0, -1.0]
+
+
+def test_concat_joins_turns_that_extend_the_tokens_so_far() -> None:
+    first = _done("a", [1, 2], [3, 4], version=1)
+    second = _done("b", [1, 2, 3, 4, 5, 6], [7], version=2)  # context 5, 6 between turns
+    rewritten = _done("c", [1, 9], [8], version=2)  # the agent rewrote its history
+    samples, breaks = concat_samples([first, second, rewritten], [0.1, 0.2, 0.3])
+    assert breaks == 1 and len(samples) == 2
+    joined = samples[0]
+    assert joined.input_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert joined.loss_mask == [0, 0, 1, 1, 0, 0, 1]
+    assert joined.versions == [-1, -1, 1, 1, -1, -1, 2] and joined.n_turns == 2
+    assert joined.logprobs == [0.0, 0.0, -0.5, -0.5, 0.0, 0.0, -0.5]
+    assert joined.reward == 0.2  # its last completion's
+    assert samples[1].input_ids == [1, 9, 8] and samples[1].reward == 0.3
+
+
+def test_a_prompt_shorter_than_the_sequence_so_far_starts_a_new_one() -> None:
+    samples, breaks = concat_samples([_done("a", [1, 2], [3]), _done("b", [1, 2], [4])], [1, 1])
+    assert breaks == 1 and [s.input_ids for s in samples] == [[1, 2, 3], [1, 2, 4]]
+
+
+# ---------------------------------------------------------------------- groups of any size
+
+
+def test_groups_of_any_size_normalise_within_their_own_group() -> None:
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    ids = torch.tensor([0, 0, 0, 1, 1, 2])  # groups of 3, 2 and 1
+    got = advantages(rewards, ids, PRESETS["dr_grpo"])
+    want = [1 - 2 / 3, -2 / 3, 1 - 2 / 3, 0.5, -0.5, 0.0]
+    assert torch.allclose(got, torch.tensor(want))
+    # equal sizes given as ids agree with the fixed group size
+    even = torch.tensor([0.3, 0.9, 0.1, 0.4, 0.8, 0.2])
+    by_ids = advantages(even, torch.tensor([0, 0, 0, 1, 1, 1]), PRESETS["grpo"])
+    assert torch.allclose(by_ids, advantages(even, 3, PRESETS["grpo"]))
+    with pytest.raises(ValueError, match="group ids"):
+        advantages(even, torch.tensor([0, 1]), PRESETS["grpo"])
+
+
+# ---------------------------------------------------------------------- rules
+
+
+def _problems(*overrides: str) -> list[str]:
+    loaded = load_config("recipes/tiny_agent.yaml", list(overrides))
+    return [p.format() for p in check_config(loaded, command="validate").problems]
+
+
+def test_the_agent_recipe_is_valid_and_its_keys_are_checked() -> None:
+    assert _problems() == []
+    (missing,) = _problems("rollout.agent=agents.arith_retry:NoSuch")
+    assert "rollout.agent: arith_retry.py defines no function 'NoSuch'" in missing
+    (both,) = _problems("rollout.workflow=multi_turn")
+    assert "rollout.workflow: is not read with rollout.agent" in both
+    (reward,) = _problems("reward.fn=builtin:numeric")
+    assert "reward.fn: is not read with rollout.agent" in reward
+    (open_proxy,) = _problems("rollout.proxy.host=0.0.0.0")
+    assert "rollout.proxy.host: 0.0.0.0 is beyond loopback" in open_proxy
+    assert _problems("rollout.proxy.host=0.0.0.0", "inference.api_key=k") == []
+    with pytest.raises(ConfigErrors, match="'both' is not one of concat, individual"):
+        _problems("rollout.agent_samples=both")
+
+
+def test_the_calculator_agent_offers_the_tool_its_start_model_learned() -> None:
+    """builtin:tiny-tool was warmed up on the tool schema the agent sends (its own copy:
+    an agent file imports nothing from areal), so the rendered tokens match."""
+    from areal_cli.config.recipe_code import load_module
+    from areal_cli.models.tool_model import ADD_TOOL
+    from tests.conftest import REPO
+
+    agent = load_module("agents.calculator", REPO / "recipes")
+    assert agent.ADD_TOOL == ADD_TOOL
+    assert agent.add('{"a": 12, "b": 30}') == "42" and agent.add("{}").startswith("error")
