@@ -580,6 +580,13 @@ class VLLMConfig:
         "cache they hold); off, they continue on the new weights.",
     )
     seed: int | None = field(None, "--seed; null: the recipe's seed plus the server index.")
+    enable_chunked_prefill: bool | None = field(
+        None,
+        "--enable-chunked-prefill (else --no-...); null: off on a CPU, where a prompt "
+        "prefilled in chunks makes vLLM rewind a seeded request's generator, which a CPU "
+        "generator cannot (the worker dies: 'CPU Generator does not use offset'); vLLM's "
+        "default on GPUs.",
+    )
 
 
 @dataclass

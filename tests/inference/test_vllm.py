@@ -111,6 +111,13 @@ def test_command_line_and_environment() -> None:
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert args[args.index("--seed") + 1] == str(cfg.seed + 1)
     assert "--enable-scale-out" in args and args[args.index("--api-key") + 1] == "k"
+    # on a CPU no prompt is prefilled in chunks (a seeded request's generator would have
+    # to rewind); on a GPU vLLM's default stands unless the recipe says
+    assert "--no-enable-chunked-prefill" in args
+    gpu = vllm_args(cfg, mode.inference, "/m", 8000, 1, device_type="cuda")
+    assert not any("chunked-prefill" in a for a in gpu)
+    cfg.inference.vllm.enable_chunked_prefill = True
+    assert "--enable-chunked-prefill" in vllm_args(cfg, mode.inference, "/m", 8000, 1)
     env = vllm_env(cfg, "cpu", [0, 1])
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"

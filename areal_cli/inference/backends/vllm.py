@@ -370,4 +370,9 @@ def vllm_args(
         }
     )
     eager = v.enforce_eager if v.enforce_eager is not None else device_type != "cuda"
+    chunked = v.enable_chunked_prefill
+    if chunked is None and device_type != "cuda":
+        chunked = False  # see VLLMConfig.enable_chunked_prefill
+    if chunked is not None:
+        args.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
     return args + (["--enforce-eager"] if eager else [])
