@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import ipaddress
 import secrets
 from dataclasses import dataclass
 
@@ -62,6 +63,17 @@ def resolve(loaded: LoadedConfig, *, launch: bool) -> Resolved:
     if launch and needs_server_key(config) and not config.inference.api_key:
         config.inference.api_key = secrets.token_urlsafe(24)
     return Resolved(dataclasses.replace(loaded, config=config), tuple(notes))
+
+
+def is_loopback(host: str) -> bool:
+    """`host` names this machine only (localhost or a loopback address). Any other host
+    name may resolve anywhere, so it counts as beyond loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def on_loopback(cfg: ExperimentConfig) -> bool:

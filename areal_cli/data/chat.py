@@ -81,6 +81,35 @@ def resolve_tool_parser(setting: str, tokenizer: Any) -> str:
     return setting
 
 
+# SGLang's finish types as OpenAI's finish_reason ("abort" is SGLang's own, kept as is).
+OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def openai_finish(finish_type: str, reply: ParsedReply | None = None) -> str:
+    """OpenAI's finish_reason for a generation that ended with SGLang's `finish_type`; a
+    chat reply that stopped on its own and holds tool calls finished with "tool_calls"."""
+    finish = OPENAI_FINISH.get(finish_type, "stop")
+    return "tool_calls" if reply is not None and reply.tool_calls and finish == "stop" else finish
+
+
+def parse_chat_reply(text: str, request: Mapping[str, Any], parser: str) -> ParsedReply:
+    """The reply to a chat `request`: tool calls are read with `parser` (a concrete one,
+    see resolve_tool_parser) only when the request offers tools and tool_choice is not
+    "none"."""
+    offered = bool(request.get("tools")) and request.get("tool_choice") != "none"
+    return parse_reply(text, parser if offered else "none")
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
+    """OpenAI's `choices[0].logprobs` of a chat reply: each token's text and logprob."""
+    return {
+        "content": [
+            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+            for tok, lp in zip(tokens, logprobs, strict=True)
+        ]
+    }
+
+
 def parse_reply(text: str, parser: str) -> ParsedReply:
     """Content and tool calls of a generated reply (see the module docstring)."""
     calls = None

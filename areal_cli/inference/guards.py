@@ -1,6 +1,6 @@
 """What an inference server refuses, before it does anything: weights from outside the
-allowed folders, and listening beyond this machine without an API key. Standard library
-only: `areal serve` checks the bind rule before it starts anything.
+allowed folders, and listening beyond this machine without an API key. No heavy import
+(config only): `areal serve` checks the bind rule before it starts anything.
 
 Weight roots: `/update_weights_from_disk` loads only from a folder inside one of the
 roots the server was started with (`--weight-root DIR`, and `--watch-weights DIR`, the
@@ -11,9 +11,10 @@ out is refused too. A server started with no root loads no weights over HTTP.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
+
+from areal_cli.config.resolve import is_loopback
 
 
 def weight_path_problem(path: str, roots: list[str]) -> str | None:
@@ -27,15 +28,6 @@ def weight_path_problem(path: str, roots: list[str]) -> str | None:
         if real.is_relative_to(os.path.realpath(root)):
             return None
     return f"{path} is outside the allowed weight roots ({', '.join(roots)})"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: it may resolve anywhere
-        return False
 
 
 def bind_problem(host: str, api_key: str | None, insecure: bool) -> str | None:

@@ -47,8 +47,10 @@ from areal_cli.config.schema import DTYPES
 from areal_cli.data.chat import (
     TOOL_PARSERS,
     ChatRequestError,
+    chat_logprobs,
     chat_prompt_ids,
-    parse_reply,
+    openai_finish,
+    parse_chat_reply,
     resolve_tool_parser,
 )
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
@@ -60,7 +62,6 @@ logger = logging.getLogger("areal_cli.inference.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 # OpenAI finish reasons; an aborted request reports SGLang's "abort".
-OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class BadRequest(ValueError):
@@ -102,7 +103,7 @@ class InferenceServer:
         self.api_key = api_key
         self.weight_roots = list(weight_roots or [])
         self.created = int(time.time())
-        self.tool_parser = tool_parser  # made concrete per request (resolve_tool_parser)
+        self.tool_parser = resolve_tool_parser(tool_parser, engine.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -293,7 +294,7 @@ class InferenceServer:
                 "logprobs": self._completion_logprobs(out)
                 if body.get("logprobs") is not None
                 else None,
-                "finish_reason": OPENAI_FINISH[out.finish_reason["type"]],
+                "finish_reason": openai_finish(out.finish_reason["type"]),
             }
             for i, out in enumerate(outs)
         ]
@@ -307,16 +308,14 @@ class InferenceServer:
         except ChatRequestError as err:
             raise BadRequest(str(err)) from None
         out = await self.engine.generate(self._openai_request(body, prompt))
-        parser = "none"
-        if tools and body.get("tool_choice") != "none":
-            parser = resolve_tool_parser(self.tool_parser, self.engine.tokenizer)
-        reply = parse_reply(out.text, parser)
-        finish = OPENAI_FINISH[out.finish_reason["type"]]
+        reply = parse_chat_reply(out.text, body, self.tool_parser)
         choice = {
             "index": 0,
             "message": reply.message(),
-            "logprobs": self._chat_logprobs(out) if body.get("logprobs") else None,
-            "finish_reason": "tool_calls" if reply.tool_calls and finish == "stop" else finish,
+            "logprobs": chat_logprobs(self._token_strings(out), out.output_logprobs)
+            if body.get("logprobs")
+            else None,
+            "finish_reason": openai_finish(out.finish_reason["type"], reply),
         }
         return web.json_response(
             self._openai_envelope("chat.completion", "chatcmpl", [choice], [out])
@@ -382,13 +381,6 @@ class InferenceServer:
             "top_logprobs": None,
             "text_offset": offsets,
         }
-
-    def _chat_logprobs(self, out: GenerateOutput) -> dict[str, Any]:
-        content = [
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-            for tok, lp in zip(self._token_strings(out), out.output_logprobs, strict=True)
-        ]
-        return {"content": content}
 
 
 # --------------------------------------------------------------------------- request shapes

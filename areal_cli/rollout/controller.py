@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.config.loader import LoadedConfig
+from areal_cli.config.resolve import is_loopback
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rollout.agents import AgentRunner, load_agent
 from areal_cli.rollout.batch import restore_stream, stored_stats
@@ -173,7 +174,7 @@ async def _start_proxy(
     settings = ProxySettings(
         host=cfg.rollout.proxy.host,
         port=cfg.rollout.proxy.port,
-        api_key="" if _loopback(cfg.rollout.proxy.host) else cfg.inference.api_key,
+        api_key="" if is_loopback(cfg.rollout.proxy.host) else cfg.inference.api_key,
         served_model=served or "areal",
         context_length=data.context_length or 4096,
         tool_parser=resolve_tool_parser(cfg.rollout.tool_parser, data.tokenizer),
@@ -186,10 +187,6 @@ async def _start_proxy(
     )
     await proxy.start()
     return proxy
-
-
-def _loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def _agent_runner(loaded: LoadedConfig, proxy: AgentProxy) -> AgentRunner:

@@ -38,7 +38,13 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_cli.data.chat import ChatRequestError, chat_prompt_ids, parse_reply
+from areal_cli.data.chat import (
+    ChatRequestError,
+    chat_logprobs,
+    chat_prompt_ids,
+    openai_finish,
+    parse_chat_reply,
+)
 from areal_cli.rollout.workflows import token_versions
 
 EPISODE_HEADER = "X-Areal-Episode"
@@ -54,7 +60,6 @@ _SAMPLING = frozenset(
     {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop"}
 )
 _CHAT = frozenset({"messages", "tools", "tool_choice", "chat_template_kwargs"})
-_OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 # generate(input_ids, sampling_params) -> SGLang's /generate answer (InferenceClient's)
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -73,7 +78,7 @@ class Completion:
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # OpenAI's: stop, length or tool_calls
+    finish_reason: str  # OpenAI's: stop, length, tool_calls (or SGLang's abort)
     text: str
 
 
@@ -191,18 +196,19 @@ class AgentProxy:
             body.get("chat_template_kwargs"),
         )
         done = await self._complete(episode, prompt, body)
-        parser = "none" if body.get("tool_choice") == "none" else self.settings.tool_parser
-        reply = (
-            parse_reply(done.text, parser) if body.get("tools") else parse_reply(done.text, "none")
-        )
-        if reply.tool_calls and done.finish_reason == "stop":
-            done.finish_reason = "tool_calls"
+        reply = parse_chat_reply(done.text, body, self.settings.tool_parser)
+        # stop, length and abort are their own OpenAI names, so this only adds tool_calls
+        done.finish_reason = openai_finish(done.finish_reason, reply)
         if body.get("stream"):
             return await self._stream_chat(request, done, reply.message())
         choice = {
             "index": 0,
             "message": reply.message(),
-            "logprobs": self._chat_logprobs(done) if body.get("logprobs") else None,
+            "logprobs": chat_logprobs(
+                [self.tokenizer.decode([t]) for t in done.output_ids], done.logprobs
+            )
+            if body.get("logprobs")
+            else None,
             "finish_reason": done.finish_reason,
         }
         return web.json_response(self._envelope("chat.completion", done, [choice]))
@@ -282,7 +288,7 @@ class AgentProxy:
         if len(logprobs) != len(ids):
             raise RuntimeError(f"server returned {len(ids)} tokens but {len(logprobs)} logprobs")
         versions = token_versions(meta, len(ids))
-        finish = _OPENAI_FINISH.get((meta.get("finish_reason") or {}).get("type", ""), "stop")
+        finish = openai_finish((meta.get("finish_reason") or {}).get("type", ""))
         text = answer.get("text", "")
         stops = _stops(body.get("stop"))
         if stops:
@@ -323,15 +329,6 @@ class AgentProxy:
                 "completion_tokens": n_out,
                 "total_tokens": n_prompt + n_out,
             },
-        }
-
-    def _chat_logprobs(self, done: Completion) -> dict[str, Any]:
-        tokens = [self.tokenizer.decode([t]) for t in done.output_ids]
-        return {
-            "content": [
-                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, done.logprobs, strict=True)
-            ]
         }
 
     async def _stream_chat(

@@ -10,7 +10,7 @@ import torch
 from areal_cli.config.errors import ConfigErrors
 from areal_cli.config.loader import load_config
 from areal_cli.config.rules import check_config
-from areal_cli.data.chat import detect_tool_parser, parse_reply
+from areal_cli.data.chat import detect_tool_parser, openai_finish, parse_chat_reply, parse_reply
 from areal_cli.rollout.agents import completion_rewards, concat_samples
 from areal_cli.rollout.proxy import Completion
 from areal_cli.trainer.advantages import PRESETS, advantages
@@ -61,6 +61,22 @@ def test_llama3_json_tool_calls() -> None:
     assert parse_reply("The answer is {not json}", "llama3").tool_calls == ()
     assert parse_reply('{"name": "add"', "llama3").content == '{"name": "add"'
     assert parse_reply('{"name": "add", "parameters": {}}', "none").tool_calls == ()
+
+
+def test_tool_calls_are_read_only_when_the_request_offers_tools() -> None:
+    """The server and the proxy answer a chat request through these two: tools offered and
+    tool_choice not "none" is the only case that parses; a parsed call that stopped on its
+    own finishes with tool_calls, a cut one keeps "length"."""
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    offered = parse_chat_reply(text, {"tools": tools}, "hermes")
+    assert [c.name for c in offered.tool_calls] == ["add"]
+    assert parse_chat_reply(text, {}, "hermes").tool_calls == ()
+    assert parse_chat_reply(text, {"tools": tools, "tool_choice": "none"}, "hermes").content == text
+    assert openai_finish("stop", offered) == "tool_calls"
+    assert openai_finish("length", offered) == "length"
+    assert openai_finish("stop", parse_reply(text, "none")) == "stop"
+    assert openai_finish("abort") == "abort"
 
 
 def test_the_parser_comes_from_the_chat_template() -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.inference.guards import bind_problem, is_loopback, weight_path_problem
+from areal_cli.config.resolve import is_loopback
+from areal_cli.inference.guards import bind_problem, weight_path_problem
 from tests.conftest import run_areal
 
 
@@ -93,6 +94,7 @@ class _BrokenEngine:
     """An engine whose generate fails with an internal error (the error path only)."""
 
     weight_version = "v0"
+    tokenizer = None  # no chat template: the server's tool parser resolves to "none"
 
     async def generate(self, request):
         raise KeyError("secret internal detail")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from areal_cli.config.checker import Checker
 from areal_cli.config.recipe_code import spec_problem
+from areal_cli.config.resolve import is_loopback
 from areal_cli.config.rules.paths import check_dataset
 
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
@@ -195,7 +196,7 @@ def _check_agent(c: Checker) -> None:
                 f"remove {key}, or rollout.agent",
             )
     host = rollout.proxy.host
-    if host not in ("127.0.0.1", "localhost", "::1") and not c.cfg.inference.api_key:
+    if not is_loopback(host) and not c.cfg.inference.api_key:
         c.error(
             "rollout.proxy.host",
             f"{host} is beyond loopback, and the agent proxy would answer anyone without a key",
