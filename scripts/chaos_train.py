@@ -1,4 +1,4 @@
-"""Usage: python scripts/chaos_train.py [--faults 20] [--steps 60] [--seed 0] [--keep]
+"""Usage: python scripts/chaos_train.py [--faults 20] [--steps 60] [--seed 0] [--keep] [--set KEY=VALUE ...]
 
 Chaos benchmark of fault recovery: runs `areal train recipes/tiny_cpu.yaml` and kills,
 --faults times at random moments, one of
@@ -15,7 +15,8 @@ done the run goes on to --steps, and the script checks:
   partial entries   unfinished writes left in the run directory (`.tmp-*`, `.trash-*`,
                     `*.tmp`) and handoff entries without a readable manifest;
   final weights     whether the last checkpoint loads with transformers.
-It prints one line per fault and a summary, and exits 1 unless every count is 0 and the
+--set adds recipe overrides, e.g. --set actor.weight_update.method=distributed for the
+weights over the network. It prints one line per fault and a summary, and exits 1 unless every count is 0 and the
 weights load. The run directory is under .chaos/ (removed on success unless --keep).
 """
 
@@ -117,6 +118,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="for the whole run")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = REPO / ".chaos" / f"seed{args.seed}"
@@ -128,6 +132,7 @@ def main() -> int:
         "logging.display=plain", "logging.tensorboard=false", "recover.freq_steps=1",
         f"launcher.inference_base_port={free_port()}", f"launcher.trainer_port={free_port()}",
         f"launcher.restarts.trainer={args.faults}", f"launcher.restarts.server={args.faults}",
+        *args.set,
     ]  # fmt: skip
     root.mkdir(parents=True)
     log = open(root.parent / f"seed{args.seed}.log", "w")  # noqa: SIM115 - the whole run
@@ -195,7 +200,8 @@ def main() -> int:
         f"{duplicated[:10]}  orphans {len(orphans)}  partial entries {len(partial)} "
         f"{partial[:5]}  final weights load: {'yes' if loads else 'no'}"
     )
-    for pid, _ in orphans:
+    for pid, cmd in orphans:
+        print(f"orphan {pid}: {cmd[:300]}")
         os.kill(pid, signal.SIGKILL)
     ok = proc.returncode == 0 and not (lost or duplicated or orphans or partial) and loads
     if ok and not args.keep:

@@ -201,12 +201,25 @@ class WeightUpdateConfig:
 
     method: str = field(
         "disk",
-        "Transport: disk (versioned HF folders under RUN/weights/). nccl is planned.",
-        choices=("disk", "nccl"),
+        "Transport: disk (versioned HF folders under RUN/weights/), or distributed (a "
+        "process group of the trainer's rank 0 and the servers: NCCL on GPUs, gloo on CPUs; "
+        "AReaL's xccl is read as distributed).",
+        choices=("disk", "distributed", "xccl"),
+    )
+    bucket_mb: float = field(
+        256.0,
+        "distributed: the servers receive a version in buckets of about this many MB "
+        "(one request each; a bigger tensor is a bucket of its own).",
+        gt=0,
     )
     keep_last: int = field(
         2, "Keep this many published versions; older ones are garbage-collected.", ge=1
     )
+
+    @property
+    def distributed(self) -> bool:
+        """Whether versions travel over the weight-update group (AReaL's xccl too)."""
+        return self.method in ("distributed", "xccl")
 
 
 NORM_LEVELS = ("group", "batch", "none")

@@ -104,6 +104,15 @@ class _Link:
         return self._server.epoch != self._epoch
 
 
+def _failure(answer: Any) -> str:
+    """Why a one-attempt control call failed: its exception, or its answer's message."""
+    if isinstance(answer, NoAnswer):
+        return answer.reason
+    if isinstance(answer, BaseException):
+        return f"{type(answer).__name__}: {answer}"
+    return error_message(answer)
+
+
 def _reason(exc: BaseException, timeout_s: float) -> str:
     """A short human description of a transport failure."""
     if isinstance(exc, asyncio.TimeoutError):
@@ -248,6 +257,43 @@ class InferenceClient:
                 f"server {address} refused weights from {model_path}: {error_message(answer)}"
             )
         return await self._model_info_on(server)
+
+    async def join_weight_group(self, bodies: Mapping[str, dict[str, Any]]) -> None:
+        """Have each server (address -> its /init_weights_update_group body) join the
+        weight-update group, all at once (the join is one rendezvous); raise
+        `WeightUpdateFailed` naming each server that did not."""
+        servers = [self._server(address) for address in bodies]
+        calls = [self.backend.join_weight_group(_Link(self, s), bodies[s.address]) for s in servers]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [
+            f"{s.address}: {_failure(answer)}"
+            for s, answer in zip(servers, answers, strict=True)
+            if not accepted(answer)
+        ]
+        if failed:
+            raise WeightUpdateFailed(
+                f"{len(failed)} of {len(servers)} server(s) did not join the weight-update "
+                "group: " + "; ".join(failed)
+            )
+
+    async def receive_weights(self, addresses: Sequence[str], body: dict[str, Any]) -> list[Any]:
+        """Have the servers at `addresses` receive one bucket of a version (all at once:
+        each tensor is one broadcast to all of them); raise `WeightUpdateFailed` naming
+        each server that failed. Returns their answers, in that order."""
+        servers = [self._server(address) for address in addresses]
+        calls = [self.backend.receive_weights(_Link(self, s), body) for s in servers]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [
+            f"{s.address}: {_failure(answer)}"
+            for s, answer in zip(servers, answers, strict=True)
+            if not accepted(answer)
+        ]
+        if failed:
+            raise WeightUpdateFailed(
+                f"{len(failed)} of {len(servers)} server(s) failed to receive "
+                f"{len(body.get('names', []))} tensors: " + "; ".join(failed)
+            )
+        return list(answers)
 
     async def _load_on(self, server: _Server, model_path: str, version: str | None) -> Any:
         """The backend's weight update on one server: its answer in

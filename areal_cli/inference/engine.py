@@ -271,6 +271,26 @@ class InferenceEngine:
         path, abort = Path(model_path), abort_all_requests
         return self._post(lambda: self._load_and_swap(path, weight_version, abort))
 
+    def submit_received_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+    ) -> concurrent.futures.Future[WeightUpdate]:
+        """Queue a swap of a whole version received over the weight-update group
+        (areal_cli.inference.weight_receiver), with `submit_weight_update`'s semantics:
+        checked against the model, swapped in at the next decode-step boundary, the old
+        weights kept on any problem."""
+        abort = abort_all_requests
+        return self._post(lambda: self._swap_received(tensors, weight_version, abort))
+
+    def weights_crc32(self, timeout: float = 300.0) -> tuple[int, str]:
+        """The CRC-32 of the weights in use as the safetensors file an export of them
+        makes (the checksum a handoff manifest records), and their version; taken on the
+        scheduler thread, so no swap lands halfway."""
+        return self._call(self._weights_crc32, timeout)
+
     def read_ahead(self, model_path: str | Path) -> bool:
         """Read and validate `model_path` now, on the calling thread, while decoding goes
         on; a later update from the same, unchanged files then only swaps them in. On the
@@ -580,6 +600,37 @@ class InferenceEngine:
         logger.info("weights swapped to %s (version %s, %s)", path, version, how)
         message = f"loaded weights from {path} ({how}); weight version {old!r} -> {version!r}"
         return WeightUpdate(True, message, self._snapshot())
+
+    def _swap_received(
+        self, tensors: dict[str, torch.Tensor], weight_version: str | None, abort_all: bool
+    ) -> WeightUpdate:
+        """Scheduler thread: check and swap in a received version."""
+        old = self._weight_version
+        with self._loader.lock:
+            try:
+                self._loader.swap_in_received(tensors)
+            except WeightLoadError as exc:
+                message = f"refused the received weights: {exc}; still serving {old!r}"
+                logger.warning(message)
+                return WeightUpdate(False, message, self._snapshot())
+            if abort_all:
+                self._abort_where(lambda s: True, "aborted by update_weights_from_distributed")
+        version = old if weight_version is None else str(weight_version)
+        self._weight_version = version
+        logger.info("weights swapped to the received version %s", version)
+        message = f"received {len(tensors)} tensors; weight version {old!r} -> {version!r}"
+        return WeightUpdate(True, message, self._snapshot())
+
+    def _weights_crc32(self) -> tuple[int, str]:
+        from areal_cli.rundir.safetensors_io import safetensors_crc32
+
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        items = [
+            (name, tensor)
+            for name, tensor in self.model.state_dict().items()
+            if not (tied and name == "lm_head.weight")  # as an export leaves it out
+        ]
+        return safetensors_crc32(items), self._weight_version
 
     def _snapshot(self) -> EngineStats:
         with self._cv:

@@ -34,12 +34,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -56,7 +57,9 @@ from areal_cli.data.chat import (
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.inference.guards import bind_problem, weight_path_problem
+from areal_cli.inference.weight_receiver import ReceiveError, WeightReceiver
 
+T = TypeVar("T")
 logger = logging.getLogger("areal_cli.inference.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -87,6 +90,36 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a daemon thread: a join or receive blocked in the weight-update
+    group (waiting for a member that died, up to the timeout) must not keep the process
+    alive after SIGTERM, as a thread of asyncio's default executor would."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, failed: bool) -> None:
+        if not future.done():
+            (future.set_exception if failed else future.set_result)(value)
+
+    def run() -> None:
+        try:
+            result, failed = fn(*args), False
+        except BaseException as exc:  # handed to the awaiting request
+            result, failed = exc, True
+        try:
+            loop.call_soon_threadsafe(settle, result, failed)
+        except RuntimeError:  # the loop closed meanwhile: the server is stopping
+            pass
+
+    threading.Thread(target=run, name="areal-weight-group", daemon=True).start()
+    return await future
+
+
+def _refusal(message: str) -> web.Response:
+    """A weight-group request this server cannot serve, in SGLang's answer shape."""
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
 class InferenceServer:
     """Route handlers bound to one engine."""
 
@@ -97,6 +130,7 @@ class InferenceServer:
         api_key: str | None,
         weight_roots: list[str] | None = None,
         tool_parser: str = "auto",
+        dist_timeout_s: float = 600.0,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
@@ -104,6 +138,8 @@ class InferenceServer:
         self.weight_roots = list(weight_roots or [])
         self.created = int(time.time())
         self.tool_parser = resolve_tool_parser(tool_parser, engine.tokenizer)
+        self.receiver: WeightReceiver | None = None  # made on the first join
+        self.dist_timeout_s = dist_timeout_s
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -113,12 +149,16 @@ class InferenceServer:
             ("POST", "/generate", self.generate),
             ("PUT", "/generate", self.generate),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("POST", "/init_weights_update_group", self.init_weights_update_group),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
             ("POST", "/pause_generation", self.pause_generation),
             ("POST", "/continue_generation", self.continue_generation),
             ("POST", "/abort_request", self.abort_request),
             ("POST", "/update_weight_version", self.update_weight_version),
             ("POST", "/flush_cache", self.flush_cache),
             ("GET", "/flush_cache", self.flush_cache),
+            ("GET", "/weights_checksum", self.weights_checksum),
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health),
             ("GET", "/model_info", self.model_info),
@@ -202,6 +242,61 @@ class InferenceServer:
             "weight_version": stats.weight_version,
         }
         return web.json_response(content, status=200 if ok else 400)
+
+    # The distributed weight update (areal_cli.inference.weight_receiver): SGLang's routes
+    # and answers. Like a load from disk, it needs a server allowed to load weights.
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if not self.weight_roots:
+            return _refusal(
+                "this server loads no weights over HTTP: it was started without --weight-root"
+            )
+        if self.receiver is None:
+            self.receiver = WeightReceiver(self.engine.device, self.dist_timeout_s)
+        try:
+            message = await _in_daemon_thread(self.receiver.join, body)
+        except ReceiveError as exc:
+            return _refusal(str(exc))
+        except Exception as exc:  # the rendezvous failed: a member never came, a bad address
+            logger.warning("joining the weight-update group failed: %s", exc)
+            return _refusal(f"joining the weight-update group failed: {exc}")
+        return web.json_response({"success": True, "message": message})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if self.receiver is None:
+            return _refusal(
+                "this server is in no weight-update group: call /init_weights_update_group first"
+            )
+        try:
+            version = await _in_daemon_thread(self.receiver.receive, body)
+        except ReceiveError as exc:
+            logger.warning("%s", exc)
+            return _refusal(str(exc))
+        if version is None:  # staged; the bucket with weight_version swaps them in
+            content = {"success": True, "message": f"received {len(body['names'])} tensors"}
+            return web.json_response(content)
+        update = self.engine.submit_received_weights(
+            version,
+            str(body["weight_version"]),
+            abort_all_requests=bool(body.get("abort_all_requests", False)),
+        )
+        ok, message, stats = await asyncio.wrap_future(update)
+        content = {"success": ok, "message": message, "weight_version": stats.weight_version}
+        return web.json_response(content, status=200 if ok else 400)
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """areal's own: the CRC-32 of the weights in use, as the model.safetensors of an
+        exported folder (its manifest's checksum), and their version."""
+        crc, version = await asyncio.to_thread(self.engine.weights_crc32)
+        return web.json_response({"crc32": crc, "weight_version": version})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        await _body(request)
+        if self.receiver is not None:
+            await asyncio.to_thread(self.receiver.leave)
+        return web.json_response({"success": True, "message": "left the weight-update group"})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await _body(request)).get("mode", "abort")
@@ -512,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="Seconds a weight-update group's join or broadcast may wait (SGLang's flag).",
+    )
+    parser.add_argument(
         "--schedule-policy",
         choices=["lof", "fcfs"],
         default="lof",
@@ -561,7 +662,9 @@ async def serve(args: argparse.Namespace) -> None:
         engine.watch_for_weights(args.watch_weights)
     name = args.served_model_name or args.model_path
     roots = args.weight_root + ([args.watch_weights] if args.watch_weights else [])
-    server = InferenceServer(engine, name, args.api_key, roots, args.tool_call_parser)
+    server = InferenceServer(
+        engine, name, args.api_key, roots, args.tool_call_parser, args.dist_timeout
+    )
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     stop = asyncio.Event()

@@ -208,6 +208,15 @@ class WeightLoader:
             self._staging, self._serving = self._serving, self._staging
         self.served_identity = identity
 
+    def swap_in_received(self, received: dict[str, torch.Tensor]) -> None:
+        """Make a whole version received over the weight-update group the live weights
+        (checked as a folder is; raises WeightLoadError). They are their own memory, not
+        the staging buffers', so the buffers the model ran on are free for the next read
+        from disk. Hold `lock`."""
+        self.table.swap_in(self.table.match(received))
+        self.served_identity = ()
+        self._ahead = None
+
     def watch(
         self, directory: Path, prefix: str, poll_s: float, stopping: Callable[[], bool]
     ) -> None:

@@ -55,6 +55,17 @@ def print_plan(
         )
         table.add_row(proc.name, proc.role, devices, ports, proc.log)
     console.print(table)
+    if plan.weight_group:
+        g = plan.weight_group
+        members = ", ".join(
+            ["trainer rank 0: 0"] + [f"{name}: {rank}" for name, rank in plan.group_ranks.items()]
+        )
+        console.print(
+            f"weight update: distributed over {g['backend']}, group {g['group_name']} of "
+            f"{g['world_size']} on {g['master_address']}:{g['master_port']} (the trainer's "
+            f"rank 0 hosts it); ranks: {members}; timeout {g['timeout_s']:g} s",
+            markup=False,
+        )
 
     for proc in plan.processes:
         argv = [REDACTED if secret and a == secret else a for a in proc.argv]

@@ -44,6 +44,7 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.inference.backends import ServerSpec, backend_for
 from areal_cli.rundir.layout import initial_model_path, run_dir_of
 from areal_cli.rundir.paths import SUBDIRS, RunDir
+from areal_cli.rundir.weight_group import GroupSpec
 
 # The trainer's rendezvous host in a plan for several machines; the runner that knows the
 # job's nodes replaces it with the first one's address.
@@ -69,6 +70,7 @@ class Ports:
 
     servers: tuple[int, ...]
     trainer: int
+    weight_group: int = 0  # the weight-update group's store (method distributed), else 0
 
 
 def pick_ports(cfg: ExperimentConfig, mode: AllocationMode) -> Ports:
@@ -81,7 +83,10 @@ def pick_ports(cfg: ExperimentConfig, mode: AllocationMode) -> Ports:
     trainer = cfg.launcher.trainer_port
     if not trainer and cfg.launcher.type != "local" and mode.train is not None:
         trainer = _free_ports(1, avoid=servers)[0]
-    return Ports(servers, trainer)
+    group = 0
+    if cfg.actor.weight_update.distributed and mode.train is not None and n:
+        group = _free_ports(1, avoid=(*servers, trainer))[0]
+    return Ports(servers, trainer, group)
 
 
 def _free_ports(n: int, avoid: tuple[int, ...] = ()) -> tuple[int, ...]:
@@ -143,6 +148,10 @@ class LaunchPlan:
     launcher: str = "local"
     n_nodes: int = 1
     run_id: str = ""  # the run's identity; its servers serve served_name(run_id)
+    # method distributed: the weight-update group (rundir.weight_group.GroupSpec's JSON)
+    # and each server's first rank in it
+    weight_group: dict | None = None
+    group_ranks: dict[str, int] = field(default_factory=dict)
 
     @property
     def backend(self) -> str | None:
@@ -193,6 +202,7 @@ def build_plan(
     server_devices, trainer_devices = _assign_devices(mode, device_type, n_cpus)
     base_env = {"PYTHONUNBUFFERED": "1", "AREAL_RUN_DIR": str(run_dir), **cfg.launcher.env}
     name = served_name(run_id)
+    group = _weight_group(cfg, mode, ports, device_type)
     processes = [
         _server_process(
             cfg, mode, i, devices, run_dir, python, base_env, device_type, ports.servers[i], name
@@ -211,6 +221,7 @@ def build_plan(
                 device_type,
                 ports.trainer,
                 run_id,
+                group,
             )
         )
     gpn = cfg.cluster.n_gpus_per_node
@@ -231,7 +242,32 @@ def build_plan(
         launcher=cfg.launcher.type,
         n_nodes=cfg.cluster.n_nodes,
         run_id=run_id,
+        weight_group=group.to_json() if group else None,
+        group_ranks=_group_ranks(mode) if group else {},
     )
+
+
+def _weight_group(
+    cfg: ExperimentConfig, mode: AllocationMode, ports: Ports, device_type: str
+) -> GroupSpec | None:
+    """The weight-update group of method distributed: the trainer's rank 0 (its master,
+    here: config.rules keeps the method to one machine) and every server rank."""
+    if not (cfg.actor.weight_update.distributed and ports.weight_group) or mode.inference is None:
+        return None
+    return GroupSpec(
+        master_address="127.0.0.1",
+        master_port=ports.weight_group,
+        world_size=1 + mode.n_servers * mode.inference.tensor_parallel_size,
+        backend="nccl" if device_type == "cuda" else "gloo",
+        timeout_s=cfg.trainer.collective_timeout_s,
+    )
+
+
+def _group_ranks(mode: AllocationMode) -> dict[str, int]:
+    """Each server's first rank in the weight-update group (its TP ranks follow)."""
+    assert mode.inference is not None
+    tp = mode.inference.tensor_parallel_size
+    return {f"server-{i}": 1 + i * tp for i in range(mode.n_servers)}
 
 
 def _planned_nodes(cfg: ExperimentConfig) -> int:
@@ -350,6 +386,7 @@ def _trainer_process(
     device_type: str,
     port: int,
     run_id: str,
+    group: GroupSpec | None,
 ) -> ProcessSpec:
     nproc = mode.train.world_size
     torchrun = str(Path(python).parent / "torchrun")
@@ -383,6 +420,8 @@ def _trainer_process(
         *("--cp", str(mode.train.context_parallel_size)),
         *("--tp", str(mode.train.tensor_parallel_size)),
     ]
+    if group is not None:
+        argv += ["--weight-group", json.dumps(group.to_json(), separators=(",", ":"))]
     env = dict(base_env)
     if device_type == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))

@@ -42,6 +42,7 @@ from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
 from areal_cli.rundir.layout import RunClaim, initial_model_path, prepare_run_dir, trim_after
 from areal_cli.rundir.paths import VERSION_PREFIX, RunDir, step_name
+from areal_cli.rundir.weight_group import GroupSpec
 
 if TYPE_CHECKING:
     from areal_cli.metrics.display import Sink
@@ -132,6 +133,7 @@ def _loop(
     data: RolloutData | None,
     restarter: Restarter,
     backend: str | None,
+    weight_group: GroupSpec | None = None,
 ) -> Awaitable[None]:
     """The controller's loop from `start_step`: the rollout loop, or for a supervised role
     the follower of the trainer's lines."""
@@ -172,6 +174,7 @@ def _loop(
         data,
         backend=backend,
         hooks=hooks,
+        weight_group=weight_group,
     )
 
 
@@ -236,7 +239,13 @@ def server_addresses(
     specs = [p for p in plan.processes if p.role.startswith("inference")]
     if plan.launcher == "local":
         return [
-            ServerAddress(p.name, f"http://127.0.0.1:{p.ports[0]}", p.log, plan.served_model)
+            ServerAddress(
+                p.name,
+                f"http://127.0.0.1:{p.ports[0]}",
+                p.log,
+                plan.served_model,
+                plan.group_ranks.get(p.name, 0),
+            )
             for p in specs
         ]
     found = registry.wait_for(
@@ -246,7 +255,14 @@ def server_addresses(
         check=lambda: runner.check(allow_exit={"trainer"}),
     )
     return [
-        ServerAddress(p.name, registry.url(found[p.name]), p.log, plan.served_model) for p in specs
+        ServerAddress(
+            p.name,
+            registry.url(found[p.name]),
+            p.log,
+            plan.served_model,
+            plan.group_ranks.get(p.name, 0),
+        )
+        for p in specs
     ]
 
 
@@ -307,7 +323,10 @@ def _start_and_train(
     restarter = Restarter(runner, cfg.launcher.restarts, sink)
     restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
     while True:
-        loop = _loop(loaded, run_dir, servers, start_step, sink, data, restarter, plan.backend)
+        group = GroupSpec.from_json(plan.weight_group) if plan.weight_group else None
+        loop = _loop(
+            loaded, run_dir, servers, start_step, sink, data, restarter, plan.backend, group
+        )
         try:
             asyncio.run(loop)
             break

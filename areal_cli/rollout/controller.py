@@ -47,9 +47,10 @@ from areal_cli.rollout.metrics import MetricsJoin, metrics_task, read_new_lines,
 from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.state import LoopState, RolloutContext, StepSink
-from areal_cli.rollout.sync import WeightSync
+from areal_cli.rollout.sync import GroupPlan, GroupSync, WeightSync
 from areal_cli.rollout.workflows import resolve_workflow
 from areal_cli.rundir.paths import RunDir
+from areal_cli.rundir.weight_group import GroupSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -67,6 +68,7 @@ class ServerAddress:
     address: str  # http://host:port
     log: str
     served_model: str = ""  # the run's identity it must show (launch.plan.served_name)
+    group_rank: int = 0  # its first rank in the weight-update group (method distributed)
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,11 @@ async def run_loop(
     *,
     backend: str,
     hooks: LoopHooks,
+    weight_group: GroupSpec | None = None,
 ) -> None:
     """Wait for the servers (of inference backend `backend`), then run the three tasks
-    until `hooks.until_trainer_done` returns."""
+    until `hooks.until_trainer_done` returns. `weight_group`: the servers receive weights
+    over this group (method distributed) instead of loading them from disk."""
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
 
@@ -152,7 +156,10 @@ async def run_loop(
             cfg, run_dir, client, data.tokenizer, data.eval_prompts, loaded.recipe.resolve().parent
         )
         try:
-            await _run_tasks(ctx, state, sink, hooks, evaluator)
+            group = None
+            if weight_group is not None:
+                group = GroupPlan(weight_group, {s.address: s.group_rank for s in servers})
+            await _run_tasks(ctx, state, sink, hooks, evaluator, group)
         finally:
             if evaluator is not None:
                 await evaluator.close()
@@ -226,9 +233,16 @@ async def _run_tasks(
     sink: StepSink,
     hooks: LoopHooks,
     evaluator: Evaluator | None,
+    group: GroupPlan | None = None,
 ) -> None:
     """The loop's tasks and guards until the trainer is done; then the last lines."""
     weights = RunDir(ctx.run_dir).weights
+    timeout_s = ctx.cfg.launcher.startup_timeout_s
+    sync = (
+        WeightSync(ctx.inference, weights, state)
+        if group is None
+        else GroupSync(ctx.inference, weights, state, group, timeout_s)
+    )
     join = MetricsJoin(
         ctx.run_dir,
         lambda step: state.batch_stats.get(step) or stored_stats(ctx.run_dir, step),
@@ -237,12 +251,11 @@ async def _run_tasks(
     tasks = [
         *([asyncio.create_task(eval_task(evaluator, state, sink))] if evaluator else []),
         asyncio.create_task(rollout_task(ctx, state)),
-        asyncio.create_task(WeightSync(ctx.inference, weights, state).run()),
+        asyncio.create_task(sync.run()),
         asyncio.create_task(metrics_task(join, lambda: state.version, state.handoff, sink)),
         *(asyncio.ensure_future(guard) for guard in hooks.guards(ctx.inference, state)),
     ]
-    timeout_s = ctx.cfg.launcher.startup_timeout_s
-    recovery = ServerRecovery(ctx.inference, weights, state, timeout_s)
+    recovery = ServerRecovery(ctx.inference, weights, state, timeout_s, sync)
     done_task = asyncio.ensure_future(hooks.until_trainer_done(recovery))
     try:
         await _until(done_task, tasks)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from areal_cli.rollout.errors import RunFailed
 from areal_cli.rollout.state import LoopState
+from areal_cli.rollout.sync import GroupSync, WeightSync
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import VERSION_PREFIX
 
@@ -37,12 +38,20 @@ class ServerRecovery:
     weights/ it loads from and its state (the servers' version and the weights lock)."""
 
     def __init__(
-        self, client: InferenceClient, weights_dir: Path, state: LoopState, startup_timeout_s: float
+        self,
+        client: InferenceClient,
+        weights_dir: Path,
+        state: LoopState,
+        startup_timeout_s: float,
+        sync: WeightSync | None = None,
     ) -> None:
         self.client, self.weights_dir = client, weights_dir
         self.state, self.timeout_s = state, startup_timeout_s
+        self.sync = sync
+        self._down_at: dict[str, float] = {}  # when each server was taken down
 
     def down(self, address: str) -> None:
+        self._down_at[address] = time.monotonic()
         self.client.set_down(address)
 
     async def up(self, address: str, check: Callable[[], None]) -> int:
@@ -57,6 +66,11 @@ class ServerRecovery:
                 raise RunFailed(f"server {address} not healthy {self.timeout_s:g}s after a restart")
             await asyncio.sleep(0.2)
         await client.check_identity(address)  # not a stranger that took its port meanwhile
+        if isinstance(self.sync, GroupSync):  # never from disk: it receives the next version
+            if self.state.version != 0:  # 0: it holds the initial model, as the others
+                await self.sync.caught_up(address, self._down_at.get(address, 0.0))
+            client.set_up(address)
+            return self.state.version
         async with self.state.weights_lock:
             version = self.state.version
             if version > 0:

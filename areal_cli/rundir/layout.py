@@ -15,6 +15,7 @@ from typing import Any
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import STEP_PREFIX, VERSION_PREFIX, RunDir
+from areal_cli.rundir.weight_group import GROUP_FILE
 
 # Files of a model folder that travel with its weights (exports, conversions); the weights
 # themselves and any index or manifest are written anew.
@@ -104,8 +105,11 @@ def prepare_run_dir(
 
 
 def trim_after(run_dir: Path, last_step: int) -> None:
-    """Forget rollouts, weights and metrics of steps after `last_step` (they will be redone)."""
+    """Forget rollouts, weights and metrics of steps after `last_step` (they will be
+    redone), and the weight-update group of the trainer that stopped (method distributed:
+    the next trainer forms its own, which the controller must not mistake for the old)."""
     paths = RunDir(run_dir)
+    (paths.weights / GROUP_FILE).unlink(missing_ok=True)
     for entry in handoff.list_entries(paths.rollouts, STEP_PREFIX):
         if entry.version > last_step:
             handoff.remove_entry(entry.path)

@@ -68,6 +68,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def safetensors_crc32(items: list[tuple[str, torch.Tensor]]) -> int:
+    """The CRC-32 of the safetensors file these tensors make in this order (what a handoff
+    manifest records for model.safetensors), computed without writing the file: equal
+    CRCs say two holders have the same tensors bit for bit."""
+    header, _, _ = layout(tuple((name, t.dtype, tuple(t.shape)) for name, t in items))
+    crc = crc32(header)
+    for _, tensor in items:
+        crc = crc32(tensor_bytes(tensor.detach().cpu()), crc)
+    return crc
+
+
 class StreamingWriter:
     """Write one safetensors file from tensors handed over in header order.
 

@@ -91,7 +91,11 @@ class ActorRole:
         return {"critic": Trainable(c.model, c.optimizer, c.scheduler, c.model_dir, checkpoints)}
 
     def begin(self, state: TrainerState, done: int, last: int) -> None:
-        """A resumed run republishes the restored weights: servers continue from them."""
+        """Join the weight-update group (method distributed); a resumed run republishes
+        the restored weights: servers continue from them."""
+        if state.sender is not None:
+            state.beat.phase("join the weight-update group")
+            state.sender.join()
         if done:
             state.export(done, "weights", {"step": done, "resumed": True})
 

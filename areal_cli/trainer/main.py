@@ -43,6 +43,7 @@ from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.rundir.paths import RunDir
 from areal_cli.trainer.parallelize import scalar_model
 from areal_cli.trainer.state import Role, TrainerState, print0
+from areal_cli.trainer.weight_sender import WeightSender
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, help="Run directory (default: from the config).")
     parser.add_argument(
         "--resume", action="store_true", help="Continue from the newest RUN/recover entry."
+    )
+    parser.add_argument(
+        "--weight-group",
+        help="Publish weights over this group (JSON of rundir.weight_group.GroupSpec) "
+        "instead of on disk (actor.weight_update.method: distributed).",
     )
     return parser.parse_args(argv)
 
@@ -120,6 +126,8 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     strategy = train_strategy(args, dist.get_world_size())
     model_dir = initial_model(cfg, run_dir, beat)
     state = TrainerState.build(cfg, run_dir, beat, device_type, strategy, model_dir)
+    if args.weight_group:
+        state.sender = weight_sender(args.weight_group, cfg, run_dir)
     role = build_role(state, args.batches)
     state.extra = role.models()
     if about := role.describe():
@@ -132,6 +140,17 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     for step in range(done + 1, last + 1):
         state.run_step(role, step)
     state.close(done + 1, last)
+
+
+def weight_sender(spec_json: str, cfg: ExperimentConfig, run_dir: Path) -> WeightSender:
+    """The distributed weight path of --weight-group (the plan's group)."""
+    import json
+
+    from areal_cli.rundir.weight_group import GroupSpec
+
+    spec = GroupSpec.from_json(json.loads(spec_json))
+    bucket = int(cfg.actor.weight_update.bucket_mb * 2**20)
+    return WeightSender(spec, RunDir(run_dir).weights, bucket)
 
 
 def initial_model(cfg: ExperimentConfig, run_dir: Path, beat: Heartbeat) -> Path:

@@ -43,6 +43,7 @@ from areal_cli.trainer.checkpoint import Checkpointer, load_recover, save_recove
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.mesh import TrainerMesh, build_mesh, step_layout
 from areal_cli.trainer.parallelize import build_sharded_model
+from areal_cli.trainer.weight_sender import WeightSender
 
 Beat = Callable[[str], None]
 
@@ -162,6 +163,7 @@ class TrainerState:
     actor: Trainable
     checkpointer: Checkpointer = field(default_factory=Checkpointer)
     extra: dict[str, Trainable] = field(default_factory=dict)  # the role's `models()`
+    sender: WeightSender | None = None  # weight_update.method: distributed
 
     @classmethod
     def build(
@@ -226,6 +228,10 @@ class TrainerState:
         """The models after `step` steps as HF folders (collective). `weights`: the actor
         as RUN/weights/vK, which the servers load (`meta`: what the entry records);
         `checkpoints`: every model as step-K under its `checkpoints` folder."""
+        if to == "weights" and self.sender is not None:
+            keep = self.cfg.actor.weight_update.keep_last
+            self.sender.publish(step, self.actor.model, meta or {}, keep)
+            return
         if to == "weights":
             keep, prefix = self.cfg.actor.weight_update.keep_last, "v"
             targets = [(self.run.weights, version_name(step), self.actor)]

@@ -41,7 +41,10 @@ def test_gsm8k_grpo_imports_to_a_valid_recipe_that_plans_the_same_gpus(tmp_path:
         "#   ref: actor.kl_ctl is 0, so no reference model is used",
     ):
         assert line in header, line
-    assert any("weight_update_mode xccl" in line for line in header)  # not honoured, said
+    assert any(
+        "weight_update_mode xccl -> actor.weight_update.method: distributed" in line
+        for line in header
+    )
     recipe = yaml.safe_load(text)
     assert recipe["actor"]["adv_estimator"] == "custom"  # AReaL's math default, both norms
     assert recipe["actor"]["reward_norm"] == {"mean_level": "group", "std_level": "group"}

@@ -389,14 +389,20 @@ class Specials:
                         f"actor.optimizer.type {opt['type']} -> {kind} (AReaL's adam decouples weight decay: AdamW)"
                     )
         update = actor.get("weight_update_mode")
-        if update is not None:
+        launcher = self.out.get("launcher.type", "local")
+        if update == "disk":
             self.out.set("actor.weight_update.method", "disk")
-            if update == "disk":
-                self.out.changed.append("actor.weight_update_mode -> actor.weight_update.method")
-            else:
-                self.out.lost.append(
-                    f"actor.weight_update_mode {update}: the distributed (NCCL) weight update is not built yet; areal hands weights over on disk"
-                )
+            self.out.changed.append("actor.weight_update_mode -> actor.weight_update.method")
+        elif update in ("xccl", "nccl") and launcher == "local":
+            self.out.set("actor.weight_update.method", "distributed")
+            self.out.changed.append(
+                f"actor.weight_update_mode {update} -> actor.weight_update.method: distributed (NCCL on GPUs, gloo on CPUs)"
+            )
+        elif update is not None:
+            self.out.set("actor.weight_update.method", "disk")
+            self.out.lost.append(
+                f"actor.weight_update_mode {update}: the distributed weight update runs on one machine in this version (launcher {launcher}); areal hands weights over on disk"
+            )
         style = self.data.get("export_style")
         if style == "concat":
             self.out.dropped.append(

@@ -255,6 +255,22 @@ class InferenceBackend(ABC):
     async def model_info(self, link: Link) -> Any:
         """The server's model info in SGLang's /model_info shape (`weight_version`)."""
 
+    # ------------------------------------------------------------ the weight-update group
+    # (actor.weight_update.method: distributed; the protocol is rundir.weight_group)
+
+    distributed_updates: ClassVar[bool] = False  # whether it takes the group's routes
+
+    async def join_weight_group(self, link: Link, body: dict[str, Any]) -> Any:
+        """Join the weight-update group (SGLang's /init_weights_update_group body): the
+        answer in SGLang's shape (`success`, `message`). One attempt: the join is a
+        rendezvous, which a retry would not repeat but break."""
+        raise NotImplementedError(f"{self.name} takes no distributed weight update")
+
+    async def receive_weights(self, link: Link, body: dict[str, Any]) -> Any:
+        """Receive one bucket (SGLang's /update_weights_from_distributed body); one
+        attempt, as for the join."""
+        raise NotImplementedError(f"{self.name} takes no distributed weight update")
+
     @abstractmethod
     async def load_weights(self, link: Link, model_path: str, version: str | None) -> Any:
         """Load the HF folder `model_path` and label what follows `version` (None: the

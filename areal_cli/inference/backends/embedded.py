@@ -38,7 +38,10 @@ class Embedded(SGLangRoutes):
             served_name=spec.served_name,
         )
         # read each new weights/vN ahead, while the controller gets to its update call
-        return [*args, "--watch-weights", spec.weights_dir]
+        args += ["--watch-weights", spec.weights_dir]
+        if cfg.actor.weight_update.distributed:  # the group's join and receives wait this long
+            args += ["--dist-timeout", f"{cfg.trainer.collective_timeout_s:g}"]
+        return args
 
     def run_env(self, cfg: ExperimentConfig, spec: ServerSpec) -> dict[str, str]:
         return self.serve_env(cfg.inference.api_key)

@@ -64,6 +64,14 @@ class SGLangRoutes(InferenceBackend):
     async def model_info(self, link: Link) -> Any:
         return await link.call("/model_info", None)
 
+    distributed_updates: ClassVar[bool] = True
+
+    async def join_weight_group(self, link: Link, body: dict[str, Any]) -> Any:
+        return await link.post_once("/init_weights_update_group", body)
+
+    async def receive_weights(self, link: Link, body: dict[str, Any]) -> Any:
+        return await link.post_once("/update_weights_from_distributed", body)
+
     async def load_weights(self, link: Link, model_path: str, version: str | None) -> Any:
         """One call, /update_weights_from_disk; a 4xx refusal is an answer, not an error."""
         body = {"model_path": model_path}
@@ -140,6 +148,10 @@ def sglang_args(
             "--tokenizer-path": cfg.model.tokenizer_path or None,
             "--served-model-name": served_name,
             "--api-key": cfg.inference.api_key or None,
+            # the weight-update group's join waits this long (method distributed)
+            "--dist-timeout": int(cfg.trainer.collective_timeout_s)
+            if cfg.actor.weight_update.distributed
+            else None,
         }
     )
     switches = {

@@ -115,6 +115,13 @@ class VLLM(InferenceBackend):
             missing = self.missing(self.interpreter(c.cfg, sys.executable))
             if missing:
                 (c.error if launch else c.warn)("inference.vllm.python", missing)
+        if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.distributed:
+            c.error(
+                "actor.weight_update.method",
+                "the distributed weight update is not built for the vLLM backend yet "
+                "(its /init_weight_transfer_engine and /update_weights routes)",
+                "use method: disk with vllm, or the sglang or embedded backend",
+            )
         launcher = c.cfg.launcher
         if launcher.type == "slurm" or (launcher.type == "ray" and launcher.ray.address):
             c.warn(

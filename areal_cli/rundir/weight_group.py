@@ -1,0 +1,189 @@
+"""The distributed weight update's wire protocol (`actor.weight_update.method: distributed`):
+one process group of the trainer's rank 0 and every server, and the order tensors take.
+
+The group is made as SGLang makes its weight-update group, so the trainer speaks to SGLang
+servers and to the embedded server alike:
+  - the trainer's rank 0 is group rank 0 and hosts a TCP store at the group's master
+    address and port; server k joins as rank `rank_offset + its TP rank`
+    (`/init_weights_update_group` with master_address, master_port, rank_offset,
+    world_size, group_name, backend);
+  - the group's store keys live under `GROUP_NAME/DEVICE/` (as torch's own group helper,
+    which SGLang uses, puts them), and each member builds a gloo (CPU) or NCCL (GPU) group
+    of `world_size` ranks on that store, with the run's collective timeout, so no member
+    waits for ever;
+  - a version travels as one broadcast from rank 0 per tensor, in the order of the
+    version's bucket list; a server receives a bucket per
+    `/update_weights_from_distributed` call (names, dtypes, shapes) and the call that
+    carries `weight_version` is the last one.
+
+Only the trainer's rank 0 is in the group: the other trainer ranks help gather a sharded
+tensor (FSDP2 and TP) inside the trainer's own group, one bucket at a time, so no rank
+holds more than one bucket of whole tensors beyond its shards.
+
+The trainer announces each version as a handoff entry RUN/weights/vK whose manifest holds
+`method: distributed` and the buckets, renamed into place before the first broadcast;
+the controller reads it and asks the servers for the buckets in order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+GROUP_NAME = "areal_weight_update"
+METHOD = "distributed"
+GROUP_FILE = "group.json"  # RUN/weights/group.json: the trainer's newest group, by token
+
+# (name, dtype without "torch.", shape) of one tensor, as /update_weights_from_distributed
+# lists them
+TensorMeta = tuple[str, str, list[int]]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how the group meets; every member gets the same spec."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str  # "gloo" or "nccl"
+    timeout_s: float
+    group_name: str = GROUP_NAME
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GroupSpec:
+        return cls(**data)
+
+    def init_body(self, rank_offset: int) -> dict[str, Any]:
+        """The body of SGLang's /init_weights_update_group for a server at `rank_offset`."""
+        return {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": rank_offset,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "backend": self.backend,
+        }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16", as the request's dtypes spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    """Consecutive tensors in buckets of at most `bucket_bytes` (a bigger tensor has its
+    own); the order is kept, since it is the order of the broadcasts."""
+    import torch
+
+    out: list[list[TensorMeta]] = []
+    size = 0
+    for meta in tensors:
+        nbytes = math.prod(meta[2]) * getattr(torch, meta[1]).itemsize
+        if out and size + nbytes <= bucket_bytes:
+            out[-1].append(meta)
+            size += nbytes
+        else:
+            out.append([meta])
+            size = nbytes
+    return out
+
+
+def update_body(
+    bucket: list[TensorMeta], version: str | None, group_name: str = GROUP_NAME
+) -> dict[str, Any]:
+    """The body of SGLang's /update_weights_from_distributed for one bucket; `version` is
+    given on the last bucket only (the server then serves the whole version)."""
+    return {
+        "names": [m[0] for m in bucket],
+        "dtypes": [m[1] for m in bucket],
+        "shapes": [list(m[2]) for m in bucket],
+        "group_name": group_name,
+        "flush_cache": version is not None,
+        "weight_version": version,
+    }
+
+
+def announce_group(weights_dir: Path, token: str) -> None:
+    """The trainer's rank 0 forms a group: RUN/weights/group.json takes `token` (written
+    to a temp file and renamed into place)."""
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    path = weights_dir / GROUP_FILE
+    tmp = path.with_name(f".{GROUP_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"token": token, "created": time.time()}))
+    os.replace(tmp, path)
+
+
+def group_token(weights_dir: Path) -> str:
+    """The token of the trainer's newest group ('' before the first)."""
+    try:
+        return str(json.loads((weights_dir / GROUP_FILE).read_text())["token"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+class Group:
+    """This process's membership of the group (rank 0 hosts the store)."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.spec, self.rank = spec, rank
+        self.device = device or torch.device("cpu")
+        timeout = timedelta(seconds=spec.timeout_s)
+        self._store = dist.TCPStore(
+            spec.master_address,
+            spec.master_port,
+            spec.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        # the keys torch's own group helper uses (GROUP/DEVICE/...), as SGLang's servers
+        # make their side of the group with it
+        device_type = "cuda" if spec.backend == "nccl" else "cpu"
+        prefixed = dist.PrefixStore(
+            f"{device_type}/", dist.PrefixStore(f"{spec.group_name}/", self._store)
+        )
+        if spec.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0 sends `tensors`; every other rank receives into them: one broadcast per
+        tensor, all issued at once and then waited for (the group's threads carry several
+        at a time, as SGLang's receiver issues them), in the same order on every rank."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = timedelta(seconds=self.spec.timeout_s)
+        works = [self.pg.broadcast([tensor], opts) for tensor in tensors]
+        for work in works:
+            work.wait()
+
+    def close(self) -> None:
+        """Leave the group (the store closes with the last reference)."""
+        try:
+            self.pg.shutdown()  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            pass
+        self.pg = None
+        self._store = None

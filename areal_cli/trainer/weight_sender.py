@@ -1,0 +1,161 @@
+"""The trainer's side of the distributed weight update (`actor.weight_update.method:
+distributed`; the protocol is areal_cli.rundir.weight_group).
+
+Rank 0 is rank 0 of the weight-update group. Joining is announced first: rank 0 writes
+RUN/weights/group.json with a fresh token, which tells the controller to have every
+server join, and then waits in the group's rendezvous (the collective timeout bounds it).
+A relaunched trainer writes a new token, so the servers join its group, not the dead one's.
+
+Publishing version K (collective over the trainer's ranks):
+  1. rank 0 renames the entry RUN/weights/vK into place: its manifest says
+     `method: distributed`, the group's token and the buckets (names, dtypes, shapes);
+  2. bucket by bucket, every rank gathers each tensor whole (`full_tensor()` of a sharded
+     one, a collective of the trainer's group), and rank 0 broadcasts the bucket to the
+     servers, who receive it as the controller asks them to.
+A send that fails (a server died) closes rank 0's side of the group, so the servers'
+receives fail at once instead of waiting out the timeout; every rank learns of it (one
+small broadcast), rank 0 forms a new group, which the controller has every server join
+(a restarted one once it is up), and the version is sent again: ATTEMPTS sends in all.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_cli.rundir import handoff
+from areal_cli.rundir.paths import version_name
+from areal_cli.rundir.weight_group import (
+    METHOD,
+    Group,
+    GroupSpec,
+    TensorMeta,
+    announce_group,
+    buckets,
+    dtype_name,
+)
+
+ATTEMPTS = 3  # sends of one version, each in a new group, before the trainer gives up
+
+
+class WeightSendFailed(RuntimeError):
+    """A version could not be sent to the servers (the message says where it stopped)."""
+
+
+def sent_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a version holds, by checkpoint name, in the order they travel (the
+    exported folder's: a tied lm_head is left out, as there)."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    return [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+
+
+class WeightSender:
+    """Rank 0's membership of the group, and the publishing of versions."""
+
+    def __init__(self, spec: GroupSpec, weights_dir: Path, bucket_bytes: int) -> None:
+        self.spec, self.weights_dir, self.bucket_bytes = spec, weights_dir, bucket_bytes
+        self.group: Group | None = None
+        self.token = ""
+
+    def join(self) -> None:
+        """Rank 0: announce a new group and wait until every server is in it."""
+        if dist.get_rank() != 0:
+            return
+        self.token = secrets.token_hex(6)
+        announce_group(self.weights_dir, self.token)
+        start = time.perf_counter()
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.spec.backend == "nccl"
+            else None
+        )
+        self.group = Group(self.spec, 0, device)
+        print(
+            f"[trainer] weight-update group {self.token}: {self.spec.world_size} members on "
+            f"{self.spec.master_address}:{self.spec.master_port} ({self.spec.backend}), joined in "
+            f"{time.perf_counter() - start:.2f}s",
+            flush=True,
+        )
+
+    @torch.no_grad()
+    def publish(self, version: int, model: nn.Module, meta: dict[str, Any], keep_last: int) -> None:
+        """Send the model as version `version` (collective over the trainer's ranks). A
+        send that fails is tried again in a new group (the controller has every server,
+        a restarted one too, join it), up to ATTEMPTS times."""
+        meta = {**meta, "publish_started": time.time()}  # the handoff figures start here
+        items = sent_items(model)
+        plan = buckets(
+            [(n, dtype_name(t.dtype), list(t.shape)) for n, t in items], self.bucket_bytes
+        )
+        rank = dist.get_rank()
+        failure = None
+        for attempt in range(1, ATTEMPTS + 1):
+            if rank == 0:
+                if self.group is None:
+                    self.join()
+                entry_meta = {**meta, "method": METHOD, "group": self.token, "buckets": plan}
+                tmp = handoff.new_tmp_dir(self.weights_dir, version_name(version))
+                final = self.weights_dir / version_name(version)
+                handoff.finish_entry(tmp, final, version, [], entry_meta)
+            failure = self._send(items, plan, version)
+            if not _any_rank(failure is not None):
+                break
+            if rank == 0:
+                print(f"[trainer] {failure}; attempt {attempt} of {ATTEMPTS}", flush=True)
+        else:
+            raise WeightSendFailed(failure or f"sending v{version} failed on rank 0")
+        if rank == 0:
+            handoff.gc(self.weights_dir, "v", keep_last)
+
+    def _send(
+        self, items: list[tuple[str, torch.Tensor]], plan: list[list[TensorMeta]], version: int
+    ) -> str | None:
+        """Every rank gathers each tensor of a bucket, rank 0 broadcasts the bucket; rank
+        0 returns why it failed (None: sent). After a failure rank 0 still gathers, so
+        every rank walks the same collectives, and it leaves the group, so the servers'
+        receives end now instead of at the timeout."""
+        rank = dist.get_rank()
+        failure = None
+        tensors = iter(items)
+        for n, bucket in enumerate(plan):
+            gathered = []
+            for _ in bucket:
+                _, tensor = next(tensors)
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                gathered.append(full.detach().contiguous())
+            if rank != 0 or failure is not None:
+                continue
+            try:
+                assert self.group is not None
+                self.group.broadcast(gathered)
+            except Exception as exc:  # a server died, or the collective timed out
+                failure = f"sending bucket {n + 1} of {len(plan)} of v{version} failed: {_why(exc)}"
+                self.close()
+        return failure
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on rank 0, told to every rank (one small collective)."""
+    if dist.get_world_size() == 1:
+        return flag
+    value = [flag]
+    dist.broadcast_object_list(value, src=0)
+    return bool(value[0])
+
+
+def _why(exc: BaseException) -> str:
+    """gloo's error in one line: without its source location and its general advice."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
