@@ -55,23 +55,19 @@ def _train(tmp_path: Path, steps: int, *extra: str, env: dict | None = None) -> 
     return rows
 
 
-@pytest.mark.parametrize("mode, steps, gain", [("concat", 10, 0.3), ("individual", 6, 0.1)])
-def test_a_retrying_agent_learns_in_both_sample_modes(
-    tmp_path: Path, mode: str, steps: int, gain: float
-) -> None:
-    """concat, the default, learns as the demo does; individual trains too (a shorter run,
-    to keep the suite's time: its full curve is in the issue's note)."""
-    rows = _train(tmp_path, steps, f"rollout.agent_samples={mode}")
+def test_a_retrying_agent_learns(tmp_path: Path) -> None:
+    """concat, the default, learns as the demo does: a retry extends its first answer, so
+    one sample per episode. (individual samples train in the crowd's run below; their
+    learning curve is in issue 31's note.)"""
+    steps = 10
+    rows = _train(tmp_path, steps)
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rows) == steps and sum(rewards[-3:]) / 3 >= rewards[0] + gain, rewards
+    assert len(rows) == steps and sum(rewards[-3:]) / 3 >= rewards[0] + 0.3, rewards
     episodes = sum(r["agent_episodes"] for r in rows)
     completions = sum(r["agent_completions"] for r in rows)
     samples = sum(r["batch_samples"] for r in rows)
     assert completions > episodes  # some episodes took a second turn
-    if mode == "concat":  # a retry extends its first answer: one sample per episode
-        assert samples == episodes and sum(r["agent_prefix_breaks"] for r in rows) == 0
-    else:
-        assert samples == completions
+    assert samples == episodes and sum(r["agent_prefix_breaks"] for r in rows) == 0
     assert all(r["agent_errors"] == r["agent_timeouts"] == 0 for r in rows if "agent_errors" in r)
 
 
@@ -119,9 +115,12 @@ def test_a_rough_crowd_of_64_episodes_finishes_its_steps(tmp_path: Path) -> None
     rows = _train(
         tmp_path, 3, "rollout.agent=crowd_agent:CrowdAgent", "rollout.agent_timeout_s=3",
         "rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent_rollouts=16",
-        "rollout.max_staleness=0", env={"PYTHONPATH": str(code)},
+        "rollout.max_staleness=0", "rollout.agent_samples=individual",
+        env={"PYTHONPATH": str(code)},
     )  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # individual samples: one per completion (a failed episode made none)
+    assert sum(r["batch_samples"] for r in rows) == sum(r["agent_completions"] for r in rows)
     errors = sum(r.get("agent_errors", 0) for r in rows)
     timeouts = sum(r.get("agent_timeouts", 0) for r in rows)
     assert errors > 0 and timeouts > 0, rows

@@ -91,7 +91,6 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     ("nproc", "n_long", "n_short", "minibatches"),
     [
         (2, 4, 4, 1),  # rank 0: 4 micro-batches of one long sequence; rank 1: 1 of four short
-        (3, 3, 4, 1),  # 7 sequences: 3/2/2; ranks 1 and 2 have 2 sequences for 3 micro-batches
         (3, 3, 4, 2),  # minibatches of 4 and 3 sequences, each split unevenly over 3 ranks
     ],
 )

@@ -72,8 +72,10 @@ def test_one_rank_equals_two_ranks_two_microbatches(tmp_path: Path, model_dir: P
         assert _max_diff(_weights(runs["single"], version), _weights(runs["split"], version)) < 1e-5
 
 
-def test_resume_is_exact_and_reshards(tmp_path: Path, model_dir: Path) -> None:
-    """4 straight steps == 2 steps, stop, resume, 2 more; a 2-rank checkpoint resumes on 1 rank."""
+def test_resume_is_exact(tmp_path: Path, model_dir: Path) -> None:
+    """4 straight steps == 2 steps, stop, resume, 2 more, bit for bit. (A checkpoint that
+    resumes in another layout, where DCP reshards, is test_tensor_parallel's: d2 into t2,
+    c2 and t2c2.)"""
     batches = make_batches(tmp_path / "batches", 4)
     extra = {"recover.freq_steps": 1, "recover.keep_last": 2}
     straight = write_config(tmp_path / "a.yaml", model_dir, tmp_path / "a", **extra)
@@ -86,15 +88,7 @@ def test_resume_is_exact_and_reshards(tmp_path: Path, model_dir: Path) -> None:
     losses_b = [m["loss"] for m in _metrics(run_b)]
     assert losses_a == losses_b  # bit-identical
     assert _max_diff(_weights(run_a, 4), _weights(run_b, 4)) == 0.0
-    # Resume the 2-rank checkpoint of step 2 on a single rank: DCP reshards on load.
-    reshard = write_config(tmp_path / "c.yaml", model_dir, tmp_path / "c", **extra)
-    run_c = tmp_path / "c" / "gloo" / "t"
-    torchrun(2, reshard, "--batches", str(batches), "--steps", "2")
-    torchrun(1, reshard, "--batches", str(batches), "--resume")
-    losses_c = [m["loss"] for m in _metrics(run_c)]
-    assert losses_c == pytest.approx(losses_a, abs=1e-5)
-    assert _max_diff(_weights(run_a, 4), _weights(run_c, 4)) < 1e-5
-    assert [e.path.name for e in handoff.list_entries(run_c / "recover", "step-")] == [
+    assert [e.path.name for e in handoff.list_entries(run_b / "recover", "step-")] == [
         "step-3",
         "step-4",
     ]

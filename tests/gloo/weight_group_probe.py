@@ -1,4 +1,4 @@
-"""Run under torchrun by test_weight_group.py: move a sharded model one optimizer step
+"""Run under torchrun by test_weights_over_gloo.py: move a sharded model one optimizer step
 away from its start, send it as v1 over the weight-update group, and export the same
 weights as an HF folder for the test to compare.
 
