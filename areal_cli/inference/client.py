@@ -36,7 +36,7 @@ import errno
 import itertools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -262,26 +262,33 @@ class InferenceClient:
         """Have each server (address -> its /init_weights_update_group body) join the
         weight-update group, all at once (the join is one rendezvous); raise
         `WeightUpdateFailed` naming each server that did not."""
-        servers = [self._server(address) for address in bodies]
-        calls = [self.backend.join_weight_group(_Link(self, s), bodies[s.address]) for s in servers]
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        failed = [
-            f"{s.address}: {_failure(answer)}"
-            for s, answer in zip(servers, answers, strict=True)
-            if not accepted(answer)
-        ]
-        if failed:
-            raise WeightUpdateFailed(
-                f"{len(failed)} of {len(servers)} server(s) did not join the weight-update "
-                "group: " + "; ".join(failed)
-            )
+        await self._group_call(
+            list(bodies),
+            lambda link, address: self.backend.join_weight_group(link, bodies[address]),
+            "did not join the weight-update group",
+        )
 
     async def receive_weights(self, addresses: Sequence[str], body: dict[str, Any]) -> list[Any]:
         """Have the servers at `addresses` receive one bucket of a version (all at once:
         each tensor is one broadcast to all of them); raise `WeightUpdateFailed` naming
         each server that failed. Returns their answers, in that order."""
+        return await self._group_call(
+            addresses,
+            lambda link, _: self.backend.receive_weights(link, body),
+            f"failed to receive {len(body.get('names', []))} tensors",
+        )
+
+    async def _group_call(
+        self,
+        addresses: Sequence[str],
+        call: Callable[[_Link, str], Awaitable[Any]],
+        failure: str,
+    ) -> list[Any]:
+        """`call` on every server at `addresses` at once (one collective of the group, so
+        none is left out and none is retried); every answer, or `WeightUpdateFailed`
+        naming each server whose call failed."""
         servers = [self._server(address) for address in addresses]
-        calls = [self.backend.receive_weights(_Link(self, s), body) for s in servers]
+        calls = [call(_Link(self, s), s.address) for s in servers]
         answers = await asyncio.gather(*calls, return_exceptions=True)
         failed = [
             f"{s.address}: {_failure(answer)}"
@@ -290,8 +297,7 @@ class InferenceClient:
         ]
         if failed:
             raise WeightUpdateFailed(
-                f"{len(failed)} of {len(servers)} server(s) failed to receive "
-                f"{len(body.get('names', []))} tensors: " + "; ".join(failed)
+                f"{len(failed)} of {len(servers)} server(s) {failure}: " + "; ".join(failed)
             )
         return list(answers)
 

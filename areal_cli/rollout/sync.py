@@ -160,6 +160,7 @@ class GroupSync(WeightSync):
         t0 = time.perf_counter()
         addresses = list(self.group.ranks)
         buckets = entry.meta["buckets"]
+        failed = ""
         async with self.state.weights_lock:
             try:
                 for i, bucket in enumerate(buckets):
@@ -168,10 +169,13 @@ class GroupSync(WeightSync):
                     body = update_body(bucket, version, self.group.spec.group_name)
                     answers = await self.client.receive_weights(addresses, body)
             except WeightUpdateFailed as exc:
-                await self._after_failure(str(exc))
-                return True
-            await self._check_reported(answers, entry.version)
-            self.state.version = entry.version
+                failed = str(exc)
+            else:
+                await self._check_reported(answers, entry.version)
+                self.state.version = entry.version
+        if failed:  # wait for the trainer's next group without holding the lock
+            await self._after_failure(failed)
+            return True
         for address in addresses:
             self._received[address] = time.monotonic()
         async with self._new_version:

@@ -119,8 +119,9 @@ def test_a_rough_crowd_of_64_episodes_finishes_its_steps(tmp_path: Path) -> None
         env={"PYTHONPATH": str(code)},
     )  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2, 3]
-    # individual samples: one per completion (a failed episode made none)
-    assert sum(r["batch_samples"] for r in rows) == sum(r["agent_completions"] for r in rows)
+    # individual samples: one per completion of a finished episode (an episode that timed
+    # out after its request, on a loaded machine, made a completion but no sample)
+    assert 0 < sum(r["batch_samples"] for r in rows) <= sum(r["agent_completions"] for r in rows)
     errors = sum(r.get("agent_errors", 0) for r in rows)
     timeouts = sum(r.get("agent_timeouts", 0) for r in rows)
     assert errors > 0 and timeouts > 0, rows
