@@ -1,5 +1,5 @@
 """Usage: python scripts/bench_e2e.py [--recipe recipes/tiny_cpu.yaml] [--runs 3] [--steps N]
-       [--set KEY=VALUE ...] [--bound-steps 6 (0: skip)] [--json OUT.json]
+       [--set KEY=VALUE ...] [--compare RECIPE ...] [--bound-steps 6 (0: skip)] [--json OUT.json]
 
 `areal train` against the plain single-process synchronous GRPO loop, on this machine, in
 one invocation. Runs alternate (areal, loop, areal, loop, ...), each as its own command,
@@ -16,7 +16,10 @@ so both pay their start-up:
       proximal pass). Every core goes to each phase in turn. No FSDP, no processes, no
       HTTP.
 
-For each run and as the median of the runs, with the ratio areal / loop:
+  (c) with --compare, `areal train` of each other RECIPE too (e.g. the colocated demo,
+      recipes/tiny_cpu_colocated.yaml), with the same overrides, named by its file.
+
+For each run and as the median of the runs, with the ratio of each areal run / loop:
   - seconds per step in steady state (from the end of step 1 to the end of the last);
   - time from the command's start to the first step whose 5-step rolling mean reward
     reaches 0.8 (the demo's target; '-' if never);
@@ -212,6 +215,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--compare", action="append", default=[], type=Path, metavar="RECIPE")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, help="default: the recipe's total_train_steps")
     parser.add_argument("--bound-steps", type=int, default=6)
@@ -230,13 +234,15 @@ def main() -> int:
 
     steps = args.steps or load_config(args.recipe, args.overrides).config.total_train_steps
     print(f"{args.recipe} {' '.join(args.overrides)}: {steps} steps, {args.runs} runs each")
-    results: dict[str, list[dict]] = {"areal": [], "loop": []}
+    recipes = {"areal": args.recipe, "loop": args.recipe}
+    recipes |= {path.stem: path for path in args.compare}
+    results: dict[str, list[dict]] = {name: [] for name in recipes}
     for i in range(args.runs):
-        for name in ("areal", "loop"):
-            if name == "areal":
-                res = run_areal(args.recipe, args.overrides, steps)
+        for name, recipe in recipes.items():
+            if name == "loop":
+                res = run_reference(recipe, args.overrides, steps, args.threads)
             else:
-                res = run_reference(args.recipe, args.overrides, steps, args.threads)
+                res = run_areal(recipe, args.overrides, steps)
             results[name].append(res)
             phases = "  ".join(f"{k} {v:.3f}s" for k, v in res["phases"].items())
             print(
@@ -256,15 +262,17 @@ def main() -> int:
         }
         for name, rs in results.items()
     }
-    print(
-        f"median  seconds per step: areal {med['areal']['step_s']:.3f}  loop "
-        f"{med['loop']['step_s']:.3f}  ratio {_ratio(med['areal']['step_s'], med['loop']['step_s'])}"
-    )
-    print(
-        f"median  time to a 5-step reward of {TARGET}: areal {_fmt(med['areal']['to_reward_s'])}"
-        f"  loop {_fmt(med['loop']['to_reward_s'])}  ratio "
-        f"{_ratio(med['areal']['to_reward_s'], med['loop']['to_reward_s'])}"
-    )
+    loop = med["loop"]
+    for name in (n for n in recipes if n != "loop"):
+        print(
+            f"median  seconds per step: {name} {med[name]['step_s']:.3f}  loop "
+            f"{loop['step_s']:.3f}  ratio {_ratio(med[name]['step_s'], loop['step_s'])}"
+        )
+        print(
+            f"median  time to a 5-step reward of {TARGET}: {name} "
+            f"{_fmt(med[name]['to_reward_s'])}  loop {_fmt(loop['to_reward_s'])}  ratio "
+            f"{_ratio(med[name]['to_reward_s'], loop['to_reward_s'])}"
+        )
     bound = {}
     for threads in (1, 2) if args.bound_steps else ():
         res = run_reference(args.recipe, args.overrides, args.bound_steps, threads)

@@ -1,6 +1,6 @@
 """The allocation grammar: which backend runs on how many devices.
 
-    allocation := component ('+' component)*
+    allocation := component (('+' | '|') component)*
     component  := backend ':' dim+
     dim        := ('d' | 't' | 'p' | 'c') INT        each letter at most once
 
@@ -8,6 +8,11 @@ Examples: `sglang:d4t1+fsdp:d4`, `embedded:d1+fsdp:d2`, `sglang:d2t2`. Inference
 are embedded, sglang and vllm; the training backend is fsdp. Inference `d` counts server
 processes (replicas); `t`/`p` are GPUs inside one server. Trainer `d` counts FSDP ranks
 and `t` the tensor-parallel ranks of each (`fsdp:d2t2` is 4 ranks).
+
+`+` keeps the components apart, each on devices of its own; `|` (as in AReaL) puts them on
+the same devices, colocated: `sglang:d1|fsdp:d1` is one GPU, `embedded:d1|fsdp:d1` every
+core of a CPU machine. Colocated rollout and training take turns (synchronous RL; see
+areal_cli.rollout.phases), so both sides must span the same number of devices.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class AllocationMode:
     inference: ParallelStrategy | None
     train_backend: str | None
     train: ParallelStrategy | None
+    colocated: bool = False  # '|': the two sides share their devices and take turns
 
     @property
     def n_servers(self) -> int:
@@ -81,7 +87,13 @@ def parse_allocation(text: str) -> AllocationMode:
     if not text or not text.strip():
         raise AllocationError("allocation_mode is empty", example)
     found: dict[str, tuple[str, ParallelStrategy]] = {}
-    for component in text.replace(" ", "").split("+"):
+    text = text.replace(" ", "")
+    if "+" in text and "|" in text:
+        raise AllocationError(
+            f"'{text}' mixes '+' and '|'",
+            "join the inference and the trainer component with '+' (apart) or '|' (sharing devices)",
+        )
+    for component in re.split(r"[+|]", text):
         match = _COMPONENT.match(component)
         if not match:
             if ":" not in component:
@@ -113,6 +125,7 @@ def parse_allocation(text: str) -> AllocationMode:
         inference=inference[1] if inference else None,
         train_backend=train[0] if train else None,
         train=train[1] if train else None,
+        colocated="|" in text,
     )
     _check_supported(mode)
     return mode
@@ -120,6 +133,8 @@ def parse_allocation(text: str) -> AllocationMode:
 
 def _check_supported(mode: AllocationMode) -> None:
     """Reject layouts a backend cannot run, saying why."""
+    if mode.colocated:
+        _check_colocated(mode)
     train = mode.train
     if train is not None:
         if train.pipeline_parallel_size > 1:
@@ -139,4 +154,22 @@ def _check_supported(mode: AllocationMode) -> None:
         raise AllocationError(
             f"{mode.inference_backend} context parallelism (c>1) is not supported by areal",
             f"use {mode.inference_backend}:dNtM",
+        )
+
+
+def _check_colocated(mode: AllocationMode) -> None:
+    """'|' joins one inference and one trainer component of the same size."""
+    if mode.inference is None or mode.train is None:
+        raise AllocationError(
+            "'|' shares devices between an inference and a trainer component, and one is missing",
+            "write for example embedded:d1|fsdp:d1 or sglang:d1|fsdp:d1",
+        )
+    n_inference, n_train = mode.inference.world_size, mode.train.world_size
+    if n_inference != n_train:
+        raise AllocationError(
+            f"components joined by '|' share their devices, so they need as many: "
+            f"{mode.inference_backend} spans {n_inference} and fsdp {n_train}",
+            f"give both {max(n_inference, n_train)} (e.g. "
+            f"{mode.inference_backend}:d{max(n_inference, n_train)}|fsdp:d{max(n_inference, n_train)}), "
+            "or keep them apart with '+'",
         )

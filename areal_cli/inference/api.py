@@ -152,6 +152,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     progress: dict[str, int]  # rid -> output tokens so far, running and waiting requests
+    kv_cache_bytes: int = 0  # the running batch's KV buffers now
 
 
 class WeightUpdate(NamedTuple):

@@ -32,11 +32,12 @@ calls to every server skip it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -126,6 +127,44 @@ def _reason(exc: BaseException, timeout_s: float) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class GenerationGate:
+    """Where /generate calls wait while a colocated run's servers have given their memory
+    to the trainer (areal_cli.rollout.phases): `hold` lets no new call through and
+    returns once the calls in flight have ended; `open` lets them go on. Always open
+    outside colocated runs."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._active = 0
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def hold(self) -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def held(self) -> bool:
+        return not self._open.is_set()
+
+
 class InferenceClient:
     """Async client over one or more servers; use `async with` or call `close()`."""
 
@@ -166,11 +205,12 @@ class InferenceClient:
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_s = 0.0
+        self.gate = GenerationGate()  # shared with its siblings
 
     def sibling(self) -> InferenceClient:
         """A client of the same servers and settings with its own counters and connections
         (evaluation during training: its requests are counted apart from the rollouts')."""
-        return InferenceClient(
+        twin = InferenceClient(
             [s.address for s in self.servers],
             api_key=self.api_key,
             timeout_s=self.timeout_s,
@@ -181,6 +221,8 @@ class InferenceClient:
             backend=self.backend.name,
             served_model=self.served_model,
         )
+        twin.gate = self.gate  # a colocated run holds both clients' requests at once
+        return twin
 
     def busy_s(self) -> float:
         """Wall seconds so far during which at least one /generate call was in flight:
@@ -213,15 +255,16 @@ class InferenceClient:
     ) -> dict[str, Any]:
         """One /generate request on one server; returns SGLang's response dict."""
         path, body = self.backend.generate_request(input_ids, sampling_params, return_logprob, rid)
-        if self._in_flight == 0:
-            self._busy_since = time.monotonic()
-        self._in_flight += 1
-        try:
-            answer = self.backend.generate_answer(await self._call_one(path, body))
-        finally:
-            self._in_flight -= 1
+        async with self.gate.admit():
             if self._in_flight == 0:
-                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
+            try:
+                answer = self.backend.generate_answer(await self._call_one(path, body))
+            finally:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._busy_s += time.monotonic() - self._busy_since
         self.generated_tokens += len(answer.get("output_ids") or ())
         return answer
 
@@ -341,6 +384,17 @@ class InferenceClient:
     async def healthy(self, address: str) -> bool:
         """Whether one server answers GET /health with 200 right now."""
         return await self._healthy(self._server(address))
+
+    async def release_memory(self) -> list[Any]:
+        """Colocated: every server gives its weights' and KV cache's memory to the trainer
+        (each must be idle: see `gate`)."""
+        pairs = await self._on_live(lambda s: self.backend.release_memory(_Link(self, s)))
+        return [answer for _, answer in pairs]
+
+    async def resume_memory(self, tags: list[str]) -> list[Any]:
+        """Colocated: every server takes back the memory of `tags`."""
+        pairs = await self._on_live(lambda s: self.backend.resume_memory(_Link(self, s), tags))
+        return [answer for _, answer in pairs]
 
     async def pause_generation(self, mode: str = "abort") -> list[dict[str, Any]]:
         """Pause every server ("abort", "in_place" or "retract", as in SGLang)."""

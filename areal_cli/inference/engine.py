@@ -47,6 +47,7 @@ from areal_cli.inference.api import (
     WeightUpdate,
 )
 from areal_cli.inference.kv_cache import RunningBatch, cache_kwarg, row_index
+from areal_cli.inference.memory import MemoryBusy, parse_tags, trim_host_memory
 from areal_cli.inference.sampling import SeqState, sample_tokens
 from areal_cli.inference.weight_loader import WeightLoader, WeightLoadError
 
@@ -149,6 +150,7 @@ class InferenceEngine:
         self._seed_rng = random.Random(random_seed)
         self._batch = RunningBatch(self.config, max_running_requests)
         self._paused = False
+        self._released: set[str] = set()  # memory tags given back (inference.memory)
         self._stopping = False
         self._cv = threading.Condition()
         self._waiting: deque[SeqState] = deque()
@@ -239,6 +241,24 @@ class InferenceEngine:
     def continue_generation(self) -> None:
         """Resume after `pause`."""
         self._call(self._do_continue)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Give back the memory of `tags` ("weights", "kv_cache"; None: both) until
+        `resume_memory_occupation` (inference.memory); requests wait meanwhile. Raises
+        MemoryBusy while a request runs (pause_generation with abort first, as SGLang
+        asks), ValueError for an unknown tag."""
+        chosen = parse_tags(tags)
+        return self._call(lambda: self._do_release(chosen))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Take back the memory `release_memory_occupation` gave (None: every tag)."""
+        chosen = parse_tags(tags)
+        return self._call(lambda: self._do_resume(chosen))
+
+    @property
+    def released(self) -> frozenset[str]:
+        """The memory tags given back now."""
+        return frozenset(self._released)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
         """Relabel the running weights without loading anything."""
@@ -373,12 +393,14 @@ class InferenceEngine:
                 # Let the threads waiting for these results run now: on a busy core the
                 # OS would otherwise leave them queued behind the next steps (~2 ms).
                 os.sched_yield()
-            if not self._paused:
+            if not (self._paused or self._released):
                 self._step()
         self._shutdown_cleanup()
 
     def _step(self) -> None:
         """Admit, then decode once; an unexpected error fails the batch, not the thread."""
+        if self._loader.empty and not self._refill_weights():
+            return
         try:
             with record_function("admit"):  # named spans in scripts/profile_inference.py
                 self._admit()
@@ -391,7 +413,7 @@ class InferenceEngine:
             self._batch.clear()
 
     def _has_work(self) -> bool:
-        runnable = not self._paused and (self._waiting or self._batch.seqs)
+        runnable = not (self._paused or self._released) and (self._waiting or self._batch.seqs)
         return bool(self._stopping or self._commands or runnable)
 
     @staticmethod
@@ -570,6 +592,46 @@ class InferenceEngine:
             return len(retracted)
         return len(self._batch.seqs)
 
+    def _do_release(self, tags: frozenset[str]) -> str:
+        if self._batch.seqs:
+            raise MemoryBusy(
+                f"{len(self._batch.seqs)} request(s) are running; release memory on an idle "
+                "server (pause_generation with mode abort first)"
+            )
+        self._batch.clear()  # empty already: its KV buffers went with its last row
+        if "weights" in tags and "weights" not in self._released:
+            with self._loader.lock:
+                self._loader.release()
+        self._released |= tags
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        trim_host_memory()
+        return f"released {sorted(tags)}"
+
+    def _do_resume(self, tags: frozenset[str]) -> str:
+        if "weights" in tags and "weights" in self._released:
+            with self._loader.lock:
+                self._loader.restore()
+        self._released -= tags
+        return f"resumed {sorted(tags)}" + (
+            "; the weights are read at the next update" if self._loader.empty else ""
+        )
+
+    def _refill_weights(self) -> bool:
+        """Dropped weights (released on a CPU) and a request to serve before any update:
+        read them again from the folder last loaded. If that fails the waiting requests
+        fail with the reason (there is nothing to serve them with); returns whether the
+        weights are back."""
+        update = self._load_and_swap(Path(self.model_path), None, False)
+        if update.ok:
+            return True
+        with self._cv:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for seq in waiting:
+            self._fail(seq, RuntimeError(update.message))
+        return False
+
     def _do_continue(self) -> None:
         self._paused = False
 
@@ -624,6 +686,9 @@ class InferenceEngine:
     def _weights_crc32(self) -> tuple[int, str]:
         from areal_cli.rundir.safetensors_io import safetensors_crc32
 
+        if self._loader.empty or "weights" in self._released:
+            raise MemoryBusy("the weights are released (resume_memory_occupation first)")
+
         tied = getattr(self.config, "tie_word_embeddings", False)
         items = [
             (name, tensor)
@@ -642,4 +707,5 @@ class InferenceEngine:
             num_running=len(self._batch.seqs),
             num_waiting=len(waiting),
             progress={s.rid: len(s.output_ids) for s in [*self._batch.seqs, *waiting]},
+            kv_cache_bytes=self._batch.nbytes,
         )

@@ -98,6 +98,16 @@ class RunningBatch:
             self._slots[key] = offsets.reshape(-1)
         return self._slots[key]
 
+    @property
+    def nbytes(self) -> int:
+        """The KV buffers' size now (0 while the batch is empty)."""
+        return sum(
+            buf.nbytes
+            for layer in self.layers
+            for buf in (layer.key_buf, layer.value_buf)
+            if buf is not None
+        )
+
     def clear(self) -> None:
         self.seqs = []
         for layer in self.layers:

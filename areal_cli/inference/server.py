@@ -9,6 +9,7 @@ Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1]
 
 Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /pause_generation, /continue_generation, /abort_request, /update_weight_version,
+/release_memory_occupation, /resume_memory_occupation (areal_cli.inference.memory),
 /flush_cache, /health, /health_generate, /model_info, /get_model_info, /server_info.
 OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (one response, n=1; `stop` strings and top alternatives are not supported, and any field
@@ -57,6 +58,7 @@ from areal_cli.data.chat import (
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.inference.guards import bind_problem, weight_path_problem
+from areal_cli.inference.memory import resident_mb
 from areal_cli.inference.weight_receiver import ReceiveError, WeightReceiver
 
 T = TypeVar("T")
@@ -156,6 +158,8 @@ class InferenceServer:
             ("POST", "/continue_generation", self.continue_generation),
             ("POST", "/abort_request", self.abort_request),
             ("POST", "/update_weight_version", self.update_weight_version),
+            ("POST", "/release_memory_occupation", self.release_memory_occupation),
+            ("POST", "/resume_memory_occupation", self.resume_memory_occupation),
             ("POST", "/flush_cache", self.flush_cache),
             ("GET", "/flush_cache", self.flush_cache),
             ("GET", "/weights_checksum", self.weights_checksum),
@@ -317,6 +321,18 @@ class InferenceServer:
             raise BadRequest("give rid or abort_all")
         return web.json_response({"success": True, "num_aborted": count})
 
+    # Colocated runs (areal_cli.inference.memory): SGLang's routes and bodies, {"tags":
+    # ["weights", "kv_cache"]} or no tags for both; a release needs an idle server.
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = (await _body(request)).get("tags")
+        message = await asyncio.to_thread(self.engine.release_memory_occupation, tags)
+        return web.json_response({"success": True, "message": message})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = (await _body(request)).get("tags")
+        message = await asyncio.to_thread(self.engine.resume_memory_occupation, tags)
+        return web.json_response({"success": True, "message": message})
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _body(request)
         if body.get("new_version") is None:
@@ -361,6 +377,9 @@ class InferenceServer:
                 "max_running_requests": self.engine.max_running_requests,
                 "device": str(self.engine.device),
                 "dtype": str(self.engine.model.dtype).removeprefix("torch."),
+                "memory_released": sorted(self.engine.released),
+                "resident_mb": round(resident_mb(), 1),
+                "kv_cache_mb": round(stats.kv_cache_bytes / 2**20, 1),
             }
         )
 

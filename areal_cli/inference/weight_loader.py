@@ -109,6 +109,8 @@ class WeightTable:
             canonical = first_name.setdefault(id(tensor), name)
             self.alias[name] = canonical
             self.live.setdefault(canonical, tensor)
+        # what each live tensor is when it holds weights (it holds none while released)
+        self.specs = {n: (t.shape, t.dtype, t.device) for n, t in self.live.items()}
 
     def match(self, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Map checkpoint tensors onto live tensors (cast, on device), or raise WeightLoadError."""
@@ -116,10 +118,10 @@ class WeightTable:
         found = {self.alias[n]: t for n, t in loaded.items() if n in self.alias}
         missing = sorted(n for n in self.live if n not in found)
         wrong = [
-            f"{n}: checkpoint {list(t.shape)} {t.dtype} vs model {list(live.shape)} {live.dtype}"
+            f"{n}: checkpoint {list(t.shape)} {t.dtype} vs model {list(shape)} {dtype}"
             for n, t in sorted(found.items())
-            if t.shape != (live := self.live[n]).shape
-            or t.is_floating_point() != live.is_floating_point()
+            if t.shape != (shape := self.specs[n][0])
+            or t.is_floating_point() != (dtype := self.specs[n][1]).is_floating_point
         ]
         problems = []
         if missing:
@@ -130,9 +132,7 @@ class WeightTable:
             problems.append(f"{len(unexpected)} unexpected tensor(s): {_names(unexpected)}")
         if problems:
             raise WeightLoadError("; ".join(problems))
-        return {
-            n: t.to(device=self.live[n].device, dtype=self.live[n].dtype) for n, t in found.items()
-        }
+        return {n: t.to(device=self.specs[n][2], dtype=self.specs[n][1]) for n, t in found.items()}
 
     @torch.no_grad()
     def swap_in(self, tensors: dict[str, torch.Tensor]) -> bool:
@@ -148,6 +148,26 @@ class WeightTable:
             else:
                 live.copy_(tensor)
         return aliased
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Give the weights' memory back: CPU tensors are dropped (the next load refills
+        them), accelerator ones move to host memory (`restore` brings them back)."""
+        for live in self.live.values():
+            if live.device.type == "cpu":
+                live.data = torch.empty(0, dtype=live.dtype)
+            else:
+                live.data = live.data.to("cpu")
+
+    @torch.no_grad()
+    def restore(self) -> bool:
+        """After `release`: accelerator weights back on their device. Returns whether the
+        live tensors hold weights again (dropped CPU weights wait for a load)."""
+        for name, live in self.live.items():
+            device = self.specs[name][2]
+            if device.type != "cpu":
+                live.data = live.data.to(device)
+        return all(live.shape == self.specs[name][0] for name, live in self.live.items())
 
 
 class WeightLoader:
@@ -165,6 +185,8 @@ class WeightLoader:
         self._staging: list[bytearray] = []
         self._serving: list[bytearray] = []
         self._ahead: ReadAhead | None = None
+        self.released = False  # the memory is given back (colocated, while the trainer steps)
+        self.empty = False  # the live tensors hold no weights: the next load must fill them
 
     @property
     def ahead_folder(self) -> Path | None:
@@ -179,6 +201,8 @@ class WeightLoader:
         if self.device.type != "cpu":
             return False
         with self.lock:
+            if self.released:  # reading would take back the memory given to the trainer
+                return False
             try:
                 files = safetensors_files(folder)
                 identity = file_identity(files)
@@ -207,6 +231,21 @@ class WeightLoader:
         if self.table.swap_in(tensors):
             self._staging, self._serving = self._serving, self._staging
         self.served_identity = identity
+        self.empty = False
+
+    def release(self) -> None:
+        """Give back the weights' memory and every buffer (see WeightTable.release). Hold
+        `lock`."""
+        self.table.release()
+        self._staging, self._serving, self._ahead = [], [], None
+        self.served_identity = ()
+        self.released = True
+        self.empty = self.device.type == "cpu"
+
+    def restore(self) -> None:
+        """Undo `release` (dropped CPU weights come back with the next load). Hold `lock`."""
+        self.empty = not self.table.restore()
+        self.released = False
 
     def swap_in_received(self, received: dict[str, torch.Tensor]) -> None:
         """Make a whole version received over the weight-update group the live weights
@@ -216,6 +255,7 @@ class WeightLoader:
         self.table.swap_in(self.table.match(received))
         self.served_identity = ()
         self._ahead = None
+        self.empty = False
 
     def watch(
         self, directory: Path, prefix: str, poll_s: float, stopping: Callable[[], bool]

@@ -82,6 +82,32 @@ def print_plan(
         console.print(f"  {directory}", markup=False, highlight=False)
 
 
+def colocation_lines(cfg: Any, plan: LaunchPlan) -> list[str]:
+    """What a colocated plan ('|') shares, and its memory per phase when the model's sizes
+    are known here (config.phase_memory)."""
+    if not plan.allocation.colocated:
+        return []
+    from areal_cli.config.model_info import model_config
+    from areal_cli.config.phase_memory import estimate
+
+    devices = "GPUs" if plan.device_type == "cuda" else "CPU cores"
+    lines = [
+        f"colocated: the servers and the trainer share the same {devices} and take turns "
+        "(rollout, then a training step, then the new weights; synchronous RL, "
+        "max_staleness 0): each phase has them all"
+    ]
+    config = model_config(cfg.model.path)
+    try:
+        memory = estimate(cfg, plan.allocation, config) if config else None
+    except (KeyError, TypeError, ZeroDivisionError):
+        memory = None  # not a Llama-style config
+    if memory is None:
+        return lines + [
+            "memory per phase: unknown here (the model's config.json is not on this machine)"
+        ]
+    return lines + memory.lines(plan.device_type)
+
+
 def print_dry_run(
     loaded: Any,
     plan: LaunchPlan,
@@ -102,12 +128,16 @@ def print_dry_run(
         script = render_sbatch(loaded.config, plan, command, os.getcwd())
     if json_out:
         data = plan.to_dict(secret=secret)
+        if plan.allocation.colocated:
+            data["colocation"] = colocation_lines(loaded.config, plan)
         if script is not None:
             data["sbatch_script"] = script
         print(json.dumps(data, indent=2))
         return
     console = make_console()
     print_plan(plan, console, secret=secret, trainer=trainer)
+    for line in colocation_lines(loaded.config, plan):
+        console.print(line, markup=False, highlight=False)
     rollout = loaded.config.rollout
     if rollout.agent:
         where = f"{rollout.proxy.host}:{rollout.proxy.port or 'a free port'}"

@@ -294,8 +294,17 @@ def _place(proc: ProcessSpec, n_nodes: int, gpn: int) -> tuple[list[int], list[i
 def _assign_devices(
     mode: AllocationMode, device_type: str, n_cpus: int
 ) -> tuple[list[list[int]], list[int]]:
-    """Per-server device lists and the trainer's list (GPU ids or CPU cores)."""
+    """Per-server device lists and the trainer's list (GPU ids or CPU cores). Colocated
+    ('|'), both sides get the same devices: server i its own share of them, the trainer
+    all; on a CPU every process may use every core, since only one side works at a time."""
     n_servers = mode.n_servers
+    if mode.colocated and mode.inference is not None and mode.train is not None:
+        if device_type == "cuda":
+            per_server = mode.inference.per_replica_size
+            servers = [list(range(i * per_server, (i + 1) * per_server)) for i in range(n_servers)]
+            return servers, list(range(mode.train.world_size))
+        cores = list(range(n_cpus))
+        return [cores for _ in range(n_servers)], cores
     if device_type == "cuda":
         per_server = mode.inference.per_replica_size if mode.inference else 0
         servers = [list(range(i * per_server, (i + 1) * per_server)) for i in range(n_servers)]
@@ -350,6 +359,7 @@ def _server_process(
         served_name=served,
         cpus=() if device_type == "cuda" else tuple(devices),
         weights_dir=str(RunDir(run_dir).weights),
+        shared=mode.colocated,
     )
     assert mode.inference is not None  # a plan has servers only for an inference side
     argv = backend.run_argv(cfg, mode.inference, spec, python)
@@ -361,7 +371,8 @@ def _server_process(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     else:
         cpus = devices
-        env.update(_thread_env(len(devices)))
+        shares = mode.n_servers if mode.colocated else 1  # colocated servers share the cores
+        env.update(_thread_env(max(1, len(devices) // shares)))
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(backend.run_env(cfg, spec))
     return ProcessSpec(
@@ -422,6 +433,8 @@ def _trainer_process(
     ]
     if group is not None:
         argv += ["--weight-group", json.dumps(group.to_json(), separators=(",", ":"))]
+    if mode.colocated:  # gives its devices back between steps (trainer.offload)
+        argv.append("--colocated")
     env = dict(base_env)
     if device_type == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))

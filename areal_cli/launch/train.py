@@ -134,6 +134,7 @@ def _loop(
     restarter: Restarter,
     backend: str | None,
     weight_group: GroupSpec | None = None,
+    colocated: bool = False,
 ) -> Awaitable[None]:
     """The controller's loop from `start_step`: the rollout loop, or for a supervised role
     the follower of the trainer's lines."""
@@ -175,6 +176,7 @@ def _loop(
         backend=backend,
         hooks=hooks,
         weight_group=weight_group,
+        colocated=colocated,
     )
 
 
@@ -325,8 +327,9 @@ def _start_and_train(
     while True:
         group = GroupSpec.from_json(plan.weight_group) if plan.weight_group else None
         loop = _loop(
-            loaded, run_dir, servers, start_step, sink, data, restarter, plan.backend, group
-        )
+            loaded, run_dir, servers, start_step, sink, data, restarter, plan.backend, group,
+            colocated=plan.allocation.colocated,
+        )  # fmt: skip
         try:
             asyncio.run(loop)
             break

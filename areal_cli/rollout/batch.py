@@ -69,13 +69,16 @@ class DynamicSampling:
         return batch_size, batch_size
 
 
-def assemble_batch(ctx: RolloutContext, state: LoopState) -> bool:
-    """Write batch `next_step` if enough fresh groups are ready; drop stale ones."""
+async def assemble_batch(ctx: RolloutContext, state: LoopState) -> bool:
+    """Write batch `next_step` if enough fresh groups are ready; drop stale ones. A
+    colocated run first hands the devices to the trainer (rollout.phases)."""
     step = state.next_step
     sampling = DynamicSampling.from_config(ctx.cfg.rollout)
     groups = take_fresh(ctx.gate, state, ctx.cfg.rollout.batch_size, sampling)
     if groups is None:
         return False
+    if ctx.phases is not None:
+        await ctx.phases.to_training(step)
     write_rollout_batch(ctx, state, step, groups)
     state.dropped_uniform = []
     state.next_step += 1

@@ -44,6 +44,7 @@ from areal_cli.rollout.evaluation import Evaluator, eval_task, make_evaluator
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.groups import rollout_task
 from areal_cli.rollout.metrics import MetricsJoin, metrics_task, read_new_lines, steps_in
+from areal_cli.rollout.phases import Phases
 from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.state import LoopState, RolloutContext, StepSink
@@ -121,10 +122,12 @@ async def run_loop(
     backend: str,
     hooks: LoopHooks,
     weight_group: GroupSpec | None = None,
+    colocated: bool = False,
 ) -> None:
     """Wait for the servers (of inference backend `backend`), then run the three tasks
     until `hooks.until_trainer_done` returns. `weight_group`: the servers receive weights
-    over this group (method distributed) instead of loading them from disk."""
+    over this group (method distributed) instead of loading them from disk. `colocated`:
+    the servers share the trainer's devices and the two take turns (rollout.phases)."""
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
 
@@ -146,7 +149,7 @@ async def run_loop(
         )
         proxy = await _start_proxy(cfg, client, data, servers[0].served_model)
         agents = None if proxy is None else _agent_runner(loaded, proxy)
-        ctx = _context(loaded, run_dir, client, rewards, data, agents)
+        ctx = _context(loaded, run_dir, client, rewards, data, agents, colocated)
         state = LoopState(version=0 if start_step == 1 else -1, next_step=start_step)
         state.episodes = agents  # the watchdog's report names a stuck agent
         restored = restore_stream(ctx.stream, run_dir, start_step)
@@ -211,6 +214,7 @@ def _context(
     rewards: RewardPool,
     data: RolloutData,
     agents: AgentRunner | None = None,
+    colocated: bool = False,
 ) -> RolloutContext:
     """The loop's long-lived objects (the prompt stream from its start: run_loop restores
     a resumed run's position); with an agent, its episodes are the workflow."""
@@ -224,7 +228,10 @@ def _context(
     else:
         workflow = resolve_workflow(cfg.rollout.workflow, recipe_dir, cfg.rollout.max_turns)
     gate = StalenessGate.from_config(cfg)
-    return RolloutContext(cfg, run_dir, client, data.tokenizer, rewards, workflow, stream, gate)
+    phases = Phases.for_run(client, run_dir) if colocated else None
+    return RolloutContext(
+        cfg, run_dir, client, data.tokenizer, rewards, workflow, stream, gate, phases
+    )
 
 
 async def _run_tasks(
@@ -239,7 +246,7 @@ async def _run_tasks(
     weights = RunDir(ctx.run_dir).weights
     timeout_s = ctx.cfg.launcher.startup_timeout_s
     sync = (
-        WeightSync(ctx.inference, weights, state)
+        WeightSync(ctx.inference, weights, state, ctx.phases)
         if group is None
         else GroupSync(ctx.inference, weights, state, group, timeout_s)
     )

@@ -62,7 +62,7 @@ async def rollout_task(ctx: RolloutContext, state: LoopState) -> None:
                 state.in_flight += 1
                 tasks.add(task)
                 task.add_done_callback(lambda t, s=state: _on_group_done(t, s, tasks))
-            if assemble_batch(ctx, state) or ctx.gate.may_launch(
+            if await assemble_batch(ctx, state) or ctx.gate.may_launch(
                 state.version, state.next_step, state.in_flight, len(state.ready)
             ):  # a batch was written, or groups were dropped: room to launch again
                 continue

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from areal_cli.data.prompts import Prompt, PromptStream
     from areal_cli.inference.client import InferenceClient
+    from areal_cli.rollout.phases import Phases
     from areal_cli.rollout.rewards import RewardPool
 
 GEN_RATE_WINDOW = 5  # batches that gen_tokens_per_s is measured over
@@ -104,6 +105,7 @@ class RolloutContext:
     workflow: Workflow
     stream: PromptStream[Prompt]
     gate: StalenessGate
+    phases: Phases | None = None  # colocated ('|'): the handover between turns
 
 
 class StepSink(Protocol):

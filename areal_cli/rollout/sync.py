@@ -44,13 +44,22 @@ from areal_cli.rundir.weight_group import GroupSpec, group_token, update_body
 
 if TYPE_CHECKING:
     from areal_cli.inference.client import InferenceClient
+    from areal_cli.rollout.phases import Phases
 
 
 class WeightSync:
     """Loads new weight versions on the servers of `client` and moves `state.version`."""
 
-    def __init__(self, client: InferenceClient, weights_dir: Path, state: LoopState) -> None:
+    def __init__(
+        self,
+        client: InferenceClient,
+        weights_dir: Path,
+        state: LoopState,
+        phases: Phases | None = None,
+    ) -> None:
+        """`phases`: a colocated run's handover around each load (rollout.phases)."""
         self.client, self.weights_dir, self.state = client, weights_dir, state
+        self.phases = phases
 
     async def run(self, poll_s: float = 0.02) -> None:
         """Load every newly published version, for ever (the loop cancels it)."""
@@ -76,8 +85,11 @@ class WeightSync:
         entry = handoff.newest_after(self.weights_dir, VERSION_PREFIX, state.version)
         if entry is None or not self.client.any_up():
             return False
-        t0 = time.perf_counter()
+        phases = self.phases
         async with state.weights_lock:  # a restarted server joins between loads
+            if phases is not None:
+                await phases.before_load(entry.version)
+            t0 = time.perf_counter()
             try:
                 answers = await self.client.update_weights_from_disk(str(entry.path), entry.version)
             except WeightUpdateFailed:
@@ -87,8 +99,12 @@ class WeightSync:
             if not answers:  # every server went down meanwhile: their restarts load it
                 return True
             await self._check_reported(answers, entry.version)
+            load_s = time.perf_counter() - t0
+            if phases is not None:
+                await phases.after_load(entry.version)
             state.version = entry.version
-        state.handoff[entry.version] = handoff_figures(entry, time.perf_counter() - t0)
+        figures = handoff_figures(entry, load_s)
+        state.handoff[entry.version] = figures | (phases.take(entry.version) if phases else {})
         state.version_changed.set()
         return True
 

@@ -22,6 +22,7 @@ from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.rundir.paths import step_name, version_name
 from areal_cli.rundir.records import TrainerStep
 from areal_cli.trainer.critic import Critic, build_critic
+from areal_cli.trainer.offload import Offload
 from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.state import Trainable, TrainerState, build_optimizer, memory_mb, print0
 from areal_cli.trainer.step import train_step
@@ -98,6 +99,12 @@ class ActorRole:
             state.sender.join()
         if done:
             state.export(done, "weights", {"step": done, "resumed": True})
+        if state.colocated and state.mesh.mesh.device_type == "cuda":
+            modules = [t.model for t in state.trainables().values()]
+            modules += [self.ref_model] if self.ref_model is not None else []
+            optimizers = [t.optimizer for t in state.trainables().values()]
+            state.offload = Offload(modules, optimizers, "cuda")
+        state.give_back()
 
     def step(self, state: TrainerState, step: int) -> TrainerStep:
         """Wait for the batch, train on it, publish weights vK."""
@@ -105,6 +112,7 @@ class ActorRole:
         entry, waited = wait_for_entry(
             source, step_name(step), self.batches is not None, state.beat
         )
+        state.take_devices()
         state.beat.phase(f"step {step}: read batch")
         batch = read_batch(entry)
         t0 = time.perf_counter()

@@ -68,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--resume", action="store_true", help="Continue from the newest RUN/recover entry."
     )
     parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="The servers share this trainer's devices ('|'): give them back between steps.",
+    )
+    parser.add_argument(
         "--weight-group",
         help="Publish weights over this group (JSON of rundir.weight_group.GroupSpec) "
         "instead of on disk (actor.weight_update.method: distributed).",
@@ -128,6 +133,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     state = TrainerState.build(cfg, run_dir, beat, device_type, strategy, model_dir)
     if args.weight_group:
         state.sender = weight_sender(args.weight_group, cfg, run_dir)
+    state.colocated = args.colocated
     role = build_role(state, args.batches)
     state.extra = role.models()
     if about := role.describe():

@@ -42,6 +42,7 @@ from areal_cli.rundir.records import TrainerStep
 from areal_cli.trainer.checkpoint import Checkpointer, load_recover, save_recover
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.mesh import TrainerMesh, build_mesh, step_layout
+from areal_cli.trainer.offload import Offload
 from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.weight_sender import WeightSender
 
@@ -164,6 +165,8 @@ class TrainerState:
     checkpointer: Checkpointer = field(default_factory=Checkpointer)
     extra: dict[str, Trainable] = field(default_factory=dict)  # the role's `models()`
     sender: WeightSender | None = None  # weight_update.method: distributed
+    colocated: bool = False  # '|': gives its devices back between steps (trainer.offload)
+    offload: Offload | None = None  # colocated on a GPU: what moves (set by the role)
 
     @classmethod
     def build(
@@ -244,10 +247,24 @@ class TrainerState:
             )
 
     def run_step(self, role: Role, step: int) -> None:
-        """Step `step` of `role`, then its line and saves; the heartbeat gets its time."""
+        """Step `step` of `role`, then its line and saves; the heartbeat gets its time.
+        A colocated trainer then gives its devices back."""
         start = time.perf_counter()
         self.finish_step(role.step(self, step))
         self.beat.step_s = time.perf_counter() - start
+        self.give_back()
+
+    def give_back(self) -> None:
+        """Colocated: the devices to the servers until `take_devices` (trainer.offload)."""
+        if self.offload is not None:
+            self.beat.phase("offload to host memory")
+            print0(f"[trainer] offloaded to host memory in {self.offload.to_host():.2f}s")
+
+    def take_devices(self) -> None:
+        """Colocated: back on the devices for a step or an export."""
+        if self.offload is not None:
+            self.beat.phase("load onto the devices")
+            print0(f"[trainer] back on the devices in {self.offload.to_device():.2f}s")
 
     def finish_step(self, record: TrainerStep) -> None:
         """After a step's update: its line (rank 0), then the recover entry and the
@@ -277,6 +294,7 @@ class TrainerState:
         final = self.run.checkpoint(last)
         # also when resumed at the end: the killed trainer may have died before writing it
         if self.cfg.saver.freq_steps == 0 and last > 0 and (last >= start or not final.exists()):
+            self.take_devices()
             self.beat.phase("final checkpoint")
             self.export(last, "checkpoints")
         self.checkpointer.wait_for_cleanup()

@@ -539,3 +539,53 @@ def test_update_weight_version_and_abort_all(fresh_engine: InferenceEngine) -> N
     assert {f.result(timeout=60).finish_reason["type"] for f in futures} == {"abort"}
     eng.update_weight_version("v7")
     assert greedy(eng, [3], 2).weight_version == "v7"
+
+
+def test_released_memory_holds_requests_until_an_update_refills_the_weights(
+    fresh_engine: InferenceEngine, tiny_model_dir_alt: Path, hf_model_alt
+) -> None:
+    """Colocated (inference.memory): released CPU weights are dropped; a request waits;
+    after resume the next update reads them again, and the request runs on them."""
+    from areal_cli.inference.memory import MemoryBusy
+
+    eng = fresh_engine
+    prompt = PROMPTS[2]
+    running = eng.submit(request([20], rid="r", temperature=0, max_new_tokens=800, ignore_eos=True))
+    wait_for_tokens(eng, "r", 1)
+    with pytest.raises(MemoryBusy, match="1 request"):
+        eng.release_memory_occupation()
+    assert eng.pause("abort") == 1 and running.result(timeout=60).finish_reason["type"] == "abort"
+    eng.continue_generation()
+    eng.release_memory_occupation(["weights", "kv_cache"])
+    assert eng.released == {"weights", "kv_cache"}
+    assert all(p.numel() == 0 for p in eng.model.parameters())  # the memory went back
+    waiting = eng.submit(request(prompt, temperature=0, max_new_tokens=12))
+    time.sleep(0.2)
+    assert not waiting.done() and eng.stats().num_waiting == 1
+    eng.resume_memory_occupation(["weights"])
+    with pytest.raises(MemoryBusy, match="released"):
+        eng.weights_crc32()
+    ok, message, _ = eng.update_weights_from_disk(tiny_model_dir_alt, "v1")
+    assert ok, message
+    assert not waiting.done()  # the KV cache is still released
+    eng.resume_memory_occupation(["kv_cache"])
+    assert waiting.result(timeout=60).output_ids == hf_greedy(hf_model_alt, prompt, 12)
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        eng.release_memory_occupation(["cuda_graph"])
+
+
+def test_resumed_without_an_update_the_engine_reads_its_last_folder_again(
+    fresh_engine: InferenceEngine,
+) -> None:
+    eng = fresh_engine
+    before = eng.generate_sync(
+        request(PROMPTS[3], temperature=1.0, sampling_seed=5, max_new_tokens=10)
+    )
+    crc = eng.weights_crc32()
+    eng.release_memory_occupation()
+    eng.resume_memory_occupation()
+    after = eng.generate_sync(
+        request(PROMPTS[3], temperature=1.0, sampling_seed=5, max_new_tokens=10)
+    )
+    assert after.output_ids == before.output_ids and after.output_logprobs == before.output_logprobs
+    assert eng.weights_crc32() == crc and eng.released == frozenset()

@@ -185,6 +185,15 @@ def test_abort_and_pause_routes(server: Server) -> None:
     assert server.call("/server_info")[1]["paused"] is True
     assert server.call("/continue_generation", {})[0] == 200
     assert server.call("/flush_cache", {})[0] == 200
+    # colocated runs: SGLang's memory routes (areal_cli.inference.memory)
+    assert server.call("/release_memory_occupation", {"tags": None})[0] == 200
+    info = server.call("/server_info")[1]
+    assert info["memory_released"] == ["kv_cache", "weights"] and info["resident_mb"] > 0
+    assert server.call("/release_memory_occupation", {"tags": ["cuda_graph"]})[0] == 400
+    assert server.call("/resume_memory_occupation", {})[0] == 200
+    assert server.call("/server_info")[1]["memory_released"] == []
+    status, out = server.call("/generate", gen_body([9, 9], 4))  # its weights read again
+    assert status == 200 and len(out["output_ids"]) == 4
 
 
 def test_openai_clients(server: Server) -> None:

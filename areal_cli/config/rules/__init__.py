@@ -29,6 +29,7 @@ from areal_cli.config.loader import LoadedConfig
 from areal_cli.config.rules.allocation import (
     check_allocation,
     check_batch,
+    check_colocated,
     check_devices,
     check_ports,
     check_tensor_parallel,
@@ -71,6 +72,8 @@ def check_config(
         if backends is not None and mode.inference_backend is not None:
             backends(mode.inference_backend).check(c, launch)
         check_devices(c, mode)
+        if mode.colocated:
+            check_colocated(c, mode)
         check_ports(c, mode)
         if mode.train is not None and not supervised:
             check_batch(c, mode)

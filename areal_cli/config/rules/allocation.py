@@ -76,7 +76,7 @@ def check_devices(c: Checker, mode: AllocationMode) -> None:
             )
         per_node = -(-mode.n_servers // cluster.n_nodes)  # servers spread over the nodes
         needed = per_node + (1 if mode.train else 0)
-        if cluster.n_cpus and cluster.n_cpus < needed:
+        if cluster.n_cpus and cluster.n_cpus < needed and not mode.colocated:
             c.error(
                 "cluster.n_cpus",
                 f"the allocation needs at least {needed} CPU cores per node (one per inference server and one for the trainer), but the cluster declares {cluster.n_cpus}",
@@ -89,17 +89,29 @@ def check_devices(c: Checker, mode: AllocationMode) -> None:
                 "set actor.fsdp.offload_params: false",
             )
         return
-    needed = inference_gpus + train_gpus
+    needed = max(inference_gpus, train_gpus) if mode.colocated else inference_gpus + train_gpus
     detail = (
         f"{mode.inference_backend} {inference_gpus} + fsdp {train_gpus}"
         if mode.train
         else f"{mode.inference_backend} {inference_gpus}"
     )
+    if mode.colocated:
+        detail = f"{mode.inference_backend} and fsdp share {needed}"
     if needed > n_gpus:
+        shared = c.cfg.allocation_mode.replace(" ", "").replace("+", "|")
+        fits = (
+            mode.train is not None
+            and not mode.colocated
+            and inference_gpus == train_gpus <= n_gpus
+            and not c.cfg.actor.weight_update.distributed
+        )
         c.error(
             "allocation_mode",
             f"'{c.cfg.allocation_mode}' needs {needed} GPUs ({detail}) but the cluster declares {n_gpus} ({cluster.n_nodes} node x {cluster.n_gpus_per_node})",
-            "shrink the allocation or fix cluster.n_gpus_per_node",
+            f"write allocation_mode: '{shared}' (with rollout.max_staleness: 0): rollouts and "
+            "training then take turns on the same GPUs"
+            if fits
+            else "shrink the allocation or fix cluster.n_gpus_per_node",
         )
     elif needed < n_gpus:
         c.warn(
@@ -112,6 +124,27 @@ def check_devices(c: Checker, mode: AllocationMode) -> None:
             "allocation_mode",
             f"one {mode.inference_backend} server needs {mode.inference.per_replica_size} GPUs but a node has {cluster.n_gpus_per_node}",
             "lower t or p",
+        )
+
+
+def check_colocated(c: Checker, mode: AllocationMode) -> None:
+    """'|': rollout and training take turns on the same devices (areal_cli.rollout.phases),
+    so every batch comes from the weights the trainer holds, and a new version reaches the
+    servers from disk."""
+    if c.valid("rollout.max_staleness") and c.cfg.rollout.max_staleness != 0:
+        c.error(
+            "rollout.max_staleness",
+            f"is {c.cfg.rollout.max_staleness}, but with '{c.cfg.allocation_mode}' rollouts and "
+            "training take turns on shared devices, so no sample can be older than the weights "
+            "the trainer holds",
+            "set rollout.max_staleness: 0 (synchronous), or keep the components apart with '+'",
+        )
+    if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.distributed:
+        c.error(
+            "actor.weight_update.method",
+            "colocated servers load each version from disk: the weight-update group would "
+            "broadcast into a server whose memory is released while the trainer steps",
+            "set actor.weight_update.method: disk",
         )
 
 

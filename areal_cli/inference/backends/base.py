@@ -73,6 +73,7 @@ class ServerSpec:
     served_name: str | None  # the run's identity on /v1/models (launch.plan.served_name)
     cpus: tuple[int, ...] = ()  # the cores it is pinned to, off CUDA
     weights_dir: str = ""  # RUN/weights, where the run publishes new weights
+    shared: bool = False  # colocated ('|'): it releases its memory while the trainer steps
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,19 @@ class InferenceBackend(ABC):
         """Receive one bucket (SGLang's /update_weights_from_distributed body); one
         attempt, as for the join."""
         raise NotImplementedError(f"{self.name} takes no distributed weight update")
+
+    # ------------------------------------------------------------ colocation ('|')
+    # SGLang's routes (the embedded server's too); vLLM's are its sleep mode's.
+
+    async def release_memory(self, link: Link) -> Any:
+        """Give the weights' and the KV cache's memory to the trainer (the server must be
+        idle); the answer, or WENT_DOWN."""
+        return await link.call("/release_memory_occupation", {"tags": None})
+
+    async def resume_memory(self, link: Link, tags: list[str]) -> Any:
+        """Take back the memory of `tags` ("weights" before a weight update, "kv_cache"
+        after it); the answer, or WENT_DOWN."""
+        return await link.call("/resume_memory_occupation", {"tags": tags})
 
     @abstractmethod
     async def load_weights(self, link: Link, model_path: str, version: str | None) -> Any:

@@ -91,7 +91,7 @@ class SGLang(SGLangRoutes):
     def run_args(
         self, cfg: ExperimentConfig, strategy: ParallelStrategy, spec: ServerSpec
     ) -> list[str]:
-        return sglang_args(
+        args = sglang_args(
             cfg,
             strategy,
             spec.model,
@@ -100,6 +100,9 @@ class SGLang(SGLangRoutes):
             host=spec.host,
             served_name=spec.served_name,
         )
+        # colocated: /release_memory_occupation frees the weights and the KV cache only
+        # with SGLang's torch_memory_saver armed
+        return [*args, "--enable-memory-saver"] if spec.shared else args
 
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
         strategy = ParallelStrategy(tensor_parallel_size=opts.tp)

@@ -122,6 +122,14 @@ class VLLM(InferenceBackend):
                 "(its /init_weight_transfer_engine and /update_weights routes)",
                 "use method: disk with vllm, or the sglang or embedded backend",
             )
+        mode = c.result.allocation
+        if mode is not None and mode.colocated and c.cfg.cluster.n_gpus_per_node == 0:
+            c.error(
+                "allocation_mode",
+                f"'{c.cfg.allocation_mode}' needs vLLM's sleep mode to hand the devices to the "
+                "trainer, and vLLM has it on GPUs only (CUDA, ROCm, XPU), not on a CPU",
+                "on a CPU use embedded:d1|fsdp:d1, or keep vllm apart with '+'",
+            )
         launcher = c.cfg.launcher
         if launcher.type == "slurm" or (launcher.type == "ray" and launcher.ray.address):
             c.warn(
@@ -136,7 +144,7 @@ class VLLM(InferenceBackend):
     def run_args(
         self, cfg: ExperimentConfig, strategy: ParallelStrategy, spec: ServerSpec
     ) -> list[str]:
-        return vllm_args(
+        args = vllm_args(
             cfg,
             strategy,
             spec.model,
@@ -146,6 +154,8 @@ class VLLM(InferenceBackend):
             device_type=spec.device_type,
             served_name=spec.served_name,
         )
+        # colocated: /sleep and /wake_up hand the GPU to the trainer and back
+        return [*args, "--enable-sleep-mode"] if spec.shared else args
 
     def run_env(self, cfg: ExperimentConfig, spec: ServerSpec) -> dict[str, str]:
         return vllm_env(cfg, spec.device_type, list(spec.cpus))
@@ -191,6 +201,13 @@ class VLLM(InferenceBackend):
 
     def abort_request(self) -> Route:
         return ABORT_ALL, {}
+
+    async def release_memory(self, link: Link) -> Any:
+        """Sleep level 1: the weights go to host memory, the KV cache is dropped."""
+        return await link.call("/sleep?level=1", {})
+
+    async def resume_memory(self, link: Link, tags: list[str]) -> Any:
+        return await link.call("/wake_up?" + "&".join(f"tags={tag}" for tag in tags), {})
 
     async def model_info(self, link: Link) -> Any:
         """/weight_info, with the version in this product's terms."""

@@ -1,0 +1,97 @@
+"""What a colocated run (`a|b`) holds on each shared device in each phase, estimated from
+the model's config.json for `areal train --dry-run` (no torch: the sizes are arithmetic).
+
+  rollout   a server's weights and KV cache; the trainer's state is in host memory
+            (on a CPU everything is host memory);
+  training  a trainer rank's shard of the parameters, the gradients and the optimizer
+            state (activations come on top and depend on the micro-batch); the servers
+            have released theirs.
+The KV cache of the embedded server is its worst case (max_running_requests rows of the
+whole context); SGLang and vLLM reserve a fraction of the GPU instead, which is shown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_cli.config.allocation import AllocationMode
+from areal_cli.config.schema import ExperimentConfig
+
+GIB = 2**30
+
+
+def size(n: int) -> str:
+    """Bytes for people: MiB below a GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+
+
+def param_count(config: dict) -> int:
+    """Parameters of a Llama-style decoder described by its config.json."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or h // heads
+    attention = 2 * h * heads * hd + 2 * h * kv * hd
+    mlp = 3 * h * config["intermediate_size"]
+    embeddings = config["vocab_size"] * h
+    head = 0 if config.get("tie_word_embeddings", False) else embeddings
+    return layers * (attention + mlp + 2 * h) + embeddings + head + h
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or h // heads
+    return 2 * config["num_hidden_layers"] * kv * hd * dtype_bytes
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Bytes per shared device (GPU, or the host on a CPU) in each phase."""
+
+    server_weights: int
+    server_kv: int | None  # None: the backend reserves `reserved_fraction` of the GPU
+    reserved_fraction: float
+    trainer_state: int  # parameters + gradients + optimizer state, one rank's shard
+
+    def lines(self, device: str) -> list[str]:
+        where = "the host" if device == "cpu" else "each GPU"
+        kv = (
+            f"a KV cache of up to {size(self.server_kv)}"
+            if self.server_kv is not None
+            else f"a KV cache in the {self.reserved_fraction:g} of the GPU it reserves"
+        )
+        host = "in host memory" if device != "cpu" else "idle"
+        return [
+            f"rollout phase on {where}: servers {size(self.server_weights)} of weights "
+            f"and {kv}; trainer state {size(self.trainer_state)} {host}",
+            f"training phase on {where}: trainer {size(self.trainer_state)} "
+            "(parameters, gradients, optimizer state; activations on top); servers released",
+        ]
+
+
+def estimate(cfg: ExperimentConfig, mode: AllocationMode, config: dict) -> PhaseMemory:
+    """The estimate for a colocated `mode` of the model `config` (its config.json)."""
+    assert mode.inference is not None and mode.train is not None
+    n = param_count(config)
+    backend = mode.inference_backend
+    section = getattr(cfg.inference, backend or "embedded")
+    server_bytes = DTYPE_BYTES.get(getattr(section, "dtype", "bfloat16"), 2)
+    per_server = mode.inference.per_replica_size
+    kv, fraction = None, 0.0
+    if backend == "embedded":
+        e = cfg.inference.embedded
+        context = e.context_length or config.get("max_position_embeddings", 2048)
+        kv = e.max_running_requests * context * kv_bytes_per_token(config, server_bytes)
+    elif backend == "sglang":
+        fraction = cfg.inference.sglang.mem_fraction_static
+    else:
+        fraction = cfg.inference.vllm.gpu_memory_utilization
+    train_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
+    optimizer = 8 if cfg.actor.optimizer.type == "adamw" else 0  # two float32 moments
+    # FSDP2 shards over d x c, tensor parallelism splits each shard over t
+    trainer = n * (2 * train_bytes + optimizer) // mode.train.world_size
+    return PhaseMemory(n * server_bytes // per_server, kv, fraction, trainer)

@@ -1,0 +1,104 @@
+"""Colocated runs (`a|b` in the allocation): rollout and training take turns on the same
+devices.
+
+With `rollout.max_staleness: 0`, which config.rules insists on here, the loop alternates
+already: batch k is generated with the weights after k-1 steps, and no group of batch
+k+1 starts before weights vk are on the servers. Colocation adds the handover between
+the turns:
+
+  to training  batch k is complete: no new /generate call goes out (the clients'
+               GenerationGate, evaluation's included), the calls in flight end, and every
+               server releases its weights' and KV cache's memory; only then is the batch
+               written, and the trainer, which gave back its devices after its last step
+               (trainer.offload), takes them for step k.
+  to rollout   weights vk are published: once every trainer rank has given the devices
+               back (its heartbeat shows it waiting for its next batch, or done), the
+               servers take back their weights' memory, load vk (the weight sync), take
+               back the KV cache's, and the gate opens.
+
+Each step's metrics line has `colocated` 1 and the handover's figures:
+  phase_release_s       the calls in flight ending and the servers releasing (before k);
+  phase_trainer_wait_s  from vk's publication until the trainer had given back;
+  phase_resume_s        the servers taking their memory back (the load itself is
+                        handoff_load_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from areal_cli.rundir import heartbeat
+
+if TYPE_CHECKING:
+    from areal_cli.inference.client import InferenceClient
+
+TRAINER_BEAT = "trainer-"  # the trainer ranks' heartbeat names (trainer.main)
+
+
+def trainer_gave_back(run_dir: Path) -> bool:
+    """Whether no trainer rank holds devices now: each waits for its next input, or is
+    done (a rank's phases, trainer.main; a rank without a heartbeat yet holds none)."""
+    return all(
+        beat.phase.startswith("wait for ") or beat.phase == "done"
+        for beat in heartbeat.read_all(run_dir, TRAINER_BEAT).values()
+    )
+
+
+class Phases:
+    """The handover between a colocated run's turns (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        trainer_idle: Callable[[], bool],
+        poll_s: float = 0.02,
+    ) -> None:
+        self.client, self.trainer_idle, self.poll_s = client, trainer_idle, poll_s
+        self.released = False
+        self.figures: dict[int, dict[str, float]] = {}  # by step (= the version it makes)
+
+    @classmethod
+    def for_run(cls, client: InferenceClient, run_dir: Path) -> Phases:
+        return cls(client, lambda: trainer_gave_back(run_dir))
+
+    def _add(self, step: int, key: str, seconds: float) -> None:
+        figures = self.figures.setdefault(step, {"colocated": 1.0})
+        figures[key] = figures.get(key, 0.0) + seconds
+
+    async def to_training(self, step: int) -> None:
+        """Batch `step` is complete and about to be written: hand the devices over."""
+        start = time.perf_counter()
+        await self.client.gate.hold()
+        await self.client.release_memory()
+        self.released = True
+        self._add(step, "phase_release_s", time.perf_counter() - start)
+
+    async def before_load(self, version: int) -> None:
+        """Weights `version` are published: wait for the trainer to give the devices back,
+        then the servers take back their weights' memory for the load."""
+        if not self.released:
+            return
+        start = time.perf_counter()
+        while not self.trainer_idle():
+            await asyncio.sleep(self.poll_s)
+        waited = time.perf_counter()
+        await self.client.resume_memory(["weights"])
+        self._add(version, "phase_trainer_wait_s", waited - start)
+        self._add(version, "phase_resume_s", time.perf_counter() - waited)
+
+    async def after_load(self, version: int) -> None:
+        """The servers hold `version`: the KV cache's memory back, and generation goes on."""
+        if self.released:
+            start = time.perf_counter()
+            await self.client.resume_memory(["kv_cache"])
+            self.released = False
+            self._add(version, "phase_resume_s", time.perf_counter() - start)
+        self.client.gate.open()
+
+    def take(self, version: int) -> dict[str, float]:
+        """The figures for the metrics line of step `version` (once)."""
+        return self.figures.pop(version, {})
