@@ -13,7 +13,9 @@ instead of nccl), which CI does (tests/e2e/test_gpu_check.py), so the script can
   engine      the embedded engine's sampled logprobs against a teacher-forced
               transformers forward pass on the same device;
   colocated   the colocated demo (recipes/tiny_cpu_colocated.yaml: embedded:d1|fsdp:d1)
-              on the device, learning: last-5 reward and seconds per step;
+              on the device, learning: last-5 reward and seconds per step (on the GPU
+              with bf16 compute, so that the trainer's FSDP2 shards are what it offloads
+              between steps);
   throughput  builtin:small: the embedded engine's generation tokens/s (32 requests of
               64 tokens at once) and the trainer's step time (one rank, 3 steps).
 
@@ -138,8 +140,9 @@ def check_colocated(work: Path, device: str, steps: int) -> list[Row]:
         f"cluster.fileroot={work / 'runs'}", f"total_train_steps={steps}",
         "logging.display=plain", "logging.tensorboard=false",
     ]  # fmt: skip
-    if device == "cuda":
+    if device == "cuda":  # bf16 compute wraps the one rank in FSDP2: its offload is checked
         overrides += ["cluster.n_gpus_per_node=1", "inference.embedded.device=cuda"]
+        overrides += ["actor.fsdp.param_dtype=bfloat16", "actor.fsdp.reduce_dtype=float32"]
     argv = [sys.executable, "-m", "areal_cli.cli", "train", "recipes/tiny_cpu_colocated.yaml"]
     start = time.time()
     done = subprocess.run(

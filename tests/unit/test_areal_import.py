@@ -183,3 +183,26 @@ def test_every_key_of_the_fixtures_is_accounted_for(tmp_path: Path) -> None:
             )  # the key, or a section above it, begins a header line
             kept = imported.get(key, said) is not said  # carried over under its own name
             assert kept or named, (name, key)
+
+
+def test_a_colocated_areal_allocation_imports_as_one_that_takes_turns(tmp_path: Path) -> None:
+    """AReaL's '|' (colocated) stays '|', with the synchronous staleness and disk weight
+    updates that colocation needs, and plans both sides on the same GPUs."""
+    data = yaml.safe_load((AREAL / "gsm8k_grpo.yaml").read_text())
+    data["allocation_mode"] = "sglang:d4p1t1|fsdp:d4p1t1"
+    data["enable_offload"] = True
+    source = tmp_path / "colocated.yaml"
+    source.write_text(yaml.safe_dump(data))
+    out = tmp_path / "colocated.areal.yaml"
+    result = run_areal("import-recipe", str(source), "-o", str(out), "--script", str(SCRIPT))
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load(out.read_text())
+    assert recipe["allocation_mode"] == "sglang:d4|fsdp:d4"
+    assert recipe["rollout"]["max_staleness"] == 0
+    assert recipe["actor"]["weight_update"]["method"] == "disk"
+    fileroot = f"cluster.fileroot={tmp_path}/runs"
+    plan = run_areal("train", str(out), "--dry-run", "--json", fileroot)
+    assert plan.returncode == 0, plan.stderr
+    processes = json.loads(plan.stdout)["processes"]
+    assert sorted({g for p in processes for g in p["gpus"]}) == [0, 1, 2, 3]
+    assert processes[-1]["gpus"] == [0, 1, 2, 3] and "--colocated" in processes[-1]["argv"]

@@ -5,8 +5,6 @@ loopback that answer SGLang's memory and weight routes; no process is started.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +16,14 @@ from areal_cli.config.loader import load_config
 from areal_cli.config.phase_memory import estimate, param_count
 from areal_cli.config.rules import check_config
 from areal_cli.inference.backends import backend_for
-from areal_cli.inference.client import InferenceClient
 from areal_cli.rollout.phases import Phases, trainer_gave_back
 from areal_cli.rollout.state import LoopState
 from areal_cli.rollout.sync import WeightSync
 from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.rundir.paths import RunDir
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 from tests.unit.test_plan import _plan, _ports
-from tests.unit.test_sync import publish
+from tests.unit.test_sync import publish, serving
 
 COLOCATED = ("allocation_mode=embedded:d1|fsdp:d1", "rollout.max_staleness=0")
 
@@ -130,29 +127,20 @@ class MemoryRoutes:
         return web.json_response({"output_ids": [7], "meta_info": meta})
 
 
-@asynccontextmanager
-async def colocated_servers(n: int, log: list) -> AsyncIterator[InferenceClient]:
-    runners, addresses = [], []
-    for i in range(n):
-        routes = MemoryRoutes(f"s{i}", log)
-        app = web.Application()
-        app.router.add_post("/release_memory_occupation", routes.release)
-        app.router.add_post("/resume_memory_occupation", routes.resume)
-        app.router.add_post("/update_weights_from_disk", routes.update)
-        app.router.add_post("/generate", routes.generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        addresses.append(f"http://127.0.0.1:{port}")
-    client = InferenceClient(addresses, retries=0, timeout_s=10)
-    try:
-        yield client
-    finally:
-        await client.close()
-        for runner in runners:
-            await runner.cleanup()
+def colocated_servers(n: int, log: list):
+    """`n` servers answering SGLang's memory, weight and generate routes into `log`."""
+    servers = [MemoryRoutes(f"s{i}", log) for i in range(n)]
+    return serving(
+        [
+            [
+                ("POST", "/release_memory_occupation", r.release),
+                ("POST", "/resume_memory_occupation", r.resume),
+                ("POST", "/update_weights_from_disk", r.update),
+                ("POST", "/generate", r.generate),
+            ]
+            for r in servers
+        ]
+    )
 
 
 def test_the_handover_releases_before_the_batch_and_resumes_around_the_load(

@@ -59,16 +59,18 @@ class SGLangRoutes:
         return web.json_response({"model_path": "/m", "weight_version": self.version})
 
 
+Routes = list[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]]
+
+
 @asynccontextmanager
-async def loop_with_servers(n: int, run_dir: Path) -> AsyncIterator[tuple[WeightSync, list]]:
-    """`n` servers on loopback, a client over them and a sync of a fresh loop (on v0)."""
-    servers, runners = [SGLangRoutes() for _ in range(n)], []
-    addresses = []
-    for routes in servers:
+async def serving(apps: list[Routes]) -> AsyncIterator[InferenceClient]:
+    """One HTTP server on loopback per list of (method, path, handler), and a client over
+    them (no retries)."""
+    runners, addresses = [], []
+    for routes in apps:
         app = web.Application()
-        app.router.add_post("/update_weights_from_disk", routes.update_weights_from_disk)
-        app.router.add_get("/model_info", routes.model_info)
-        app.router.add_get("/health", routes.health)
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()
@@ -76,13 +78,29 @@ async def loop_with_servers(n: int, run_dir: Path) -> AsyncIterator[tuple[Weight
         runners.append(runner)
         addresses.append(f"http://127.0.0.1:{port}")
     client = InferenceClient(addresses, retries=0, timeout_s=10)
-    state = LoopState(version=0, next_step=1)
     try:
-        yield WeightSync(client, RunDir(run_dir).weights, state), servers
+        yield client
     finally:
         await client.close()
         for runner in runners:
             await runner.cleanup()
+
+
+@asynccontextmanager
+async def loop_with_servers(n: int, run_dir: Path) -> AsyncIterator[tuple[WeightSync, list]]:
+    """`n` servers on loopback, a client over them and a sync of a fresh loop (on v0)."""
+    servers = [SGLangRoutes() for _ in range(n)]
+    apps: list[Routes] = [
+        [
+            ("POST", "/update_weights_from_disk", routes.update_weights_from_disk),
+            ("GET", "/model_info", routes.model_info),
+            ("GET", "/health", routes.health),
+        ]
+        for routes in servers
+    ]
+    async with serving(apps) as client:
+        state = LoopState(version=0, next_step=1)
+        yield WeightSync(client, RunDir(run_dir).weights, state), servers
 
 
 def publish(run_dir: Path, version: int) -> Path:

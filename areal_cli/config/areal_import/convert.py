@@ -320,6 +320,12 @@ class Specials:
             )
             self.out.changed.append(f"{sources} -> allocation_mode: {mode}")
         self.out.set("allocation_mode", mode)
+        if "|" in mode:
+            self.out.set("rollout.max_staleness", 0)
+            self.out.changed.append(
+                f"allocation_mode {mode} is colocated: rollout.max_staleness 0 (rollouts and "
+                "training take turns on the shared devices)"
+            )
         gpus = self.section("cluster").get("n_gpus_per_node")
         if gpus == 0 and mode.startswith("sglang"):
             self.out.lost.append(
@@ -330,14 +336,16 @@ class Specials:
         """AReaL's older forms: 'sglang:d4p1t1+fsdp:d4p1t1', 'sglang:d4+d4' (the trainer
         side without a backend is FSDP), 'sglang.d4p1t1+d4p1t1'."""
         parts = []
-        for component in text.replace(" ", "").split("+"):
+        text = text.replace(" ", "")
+        joint = "|" if "|" in text else "+"  # '|': colocated, as in areal
+        for component in re.split(r"[+|]", text):
             backend, sep, dims = component.replace(".", ":", 1).partition(":")
             if not sep:
                 backend, dims = "fsdp", component
             parts.append(f"{backend}:{_dims(dims, 'allocation_mode')}")
         if self.kind in ("sft", "rm"):
             parts = [p for p in parts if p.startswith("fsdp")]
-        return "+".join(parts)
+        return joint.join(parts)
 
     # -- the model and the run -----------------------------------------------------------
     def model_and_run(self) -> None:
@@ -353,9 +361,15 @@ class Specials:
         elif "init_from_scratch" in actor:
             self.out.dropped.append("actor.init_from_scratch: false is areal's behaviour")
         offload = self.data.get("enable_offload")
-        if offload:
+        if offload and "|" in str(self.out.get("allocation_mode", "")):
+            self.out.dropped.append(
+                "enable_offload: a colocated ('|') allocation releases the servers' memory and "
+                "offloads the trainer between phases by itself"
+            )
+        elif offload:
             self.out.lost.append(
-                "enable_offload: areal does not release server memory between phases yet"
+                "enable_offload: areal releases memory between phases only in a colocated "
+                "allocation: write allocation_mode with '|' (e.g. sglang:d1|fsdp:d1)"
             )
         elif offload is not None:
             self.out.dropped.append("enable_offload: false is areal's behaviour")
@@ -393,6 +407,12 @@ class Specials:
         if update == "disk":
             self.out.set("actor.weight_update.method", "disk")
             self.out.changed.append("actor.weight_update_mode -> actor.weight_update.method")
+        elif update in ("xccl", "nccl") and "|" in str(self.out.get("allocation_mode", "")):
+            self.out.set("actor.weight_update.method", "disk")
+            self.out.changed.append(
+                f"actor.weight_update_mode {update} -> actor.weight_update.method: disk (a "
+                "colocated server loads each version from disk)"
+            )
         elif update in ("xccl", "nccl") and launcher == "local":
             self.out.set("actor.weight_update.method", "distributed")
             self.out.changed.append(
