@@ -3,10 +3,11 @@
   e.g. make smollm2; python scripts/measure_colocated_memory.py
 
 Runs RECIPE colocated (allocation embedded:d1|fsdp:d1, max_staleness 0) and follows the
-server process's resident memory (/proc/PID/status) against the trainer's phase (its
-heartbeat): while the trainer waits for a batch the server generates; while the trainer
-is in a step ("step K: ...") the server has released its memory. It also asks the
-server's /server_info for its KV cache while it generates. Prints, in MiB:
+server process's resident memory (/proc/PID/status) against the trainer's heartbeat:
+while the trainer has given the devices back (`holds_devices` false) it is the server's
+turn; while the trainer holds them in a step ("step K: ...") the server has released
+its memory. It also asks the server's /server_info for its KV cache in its turn.
+Prints, in MiB:
   - the server's resident size while generating (its largest, before the first step),
     while the trainer steps (median and largest), and generating again after it, and
     the fall between the first two;
@@ -88,19 +89,19 @@ def main() -> int:
             time.sleep(args.interval)
             try:
                 children = json.loads((run_dir / "run.json").read_text())["children"]
-                phase = json.loads((run_dir / "heartbeat" / "trainer-0.json").read_text())["phase"]
+                beat = json.loads((run_dir / "heartbeat" / "trainer-0.json").read_text())
             except (OSError, ValueError, KeyError):
                 continue
             rss = rss_mb(children.get("server-0", 0))
             if rss is None:
                 continue
-            if phase.startswith("wait for rollouts/"):
+            if not beat.get("holds_devices", True):  # the server's turn
                 (back if stepping else generating).append(rss)
                 try:
                     kv_mb = max(kv_mb, server_info(run_dir)["kv_cache_mb"])
                 except OSError:
                     pass
-            elif phase.startswith("step ") and ": publish" not in phase:
+            elif beat["phase"].startswith("step "):  # the trainer's turn, in a step
                 stepping.append(rss)
         output = run.stdout.read() if run.stdout else ""
         if run.returncode != 0:
@@ -116,9 +117,12 @@ def main() -> int:
         f"while the trainer steps median {median:.0f} MiB, largest {high:.0f} "
         f"({len(stepping)} samples)"
     )
-    print(f"back after the step: generating again {max(back):.0f} MiB (largest of {len(back)})")
     print(
-        f"fall {top - median:.0f} MiB; weights {weights_mb:.0f} MiB "
+        f"back after the step: the server's turn again {max(back):.0f} MiB (largest of {len(back)})"
+    )
+    print(
+        f"fall {top - median:.0f} MiB from the first turn, {max(back) - median:.0f} MiB from "
+        f"the later ones (they keep the buffer a load reads into); weights {weights_mb:.0f} MiB "
         f"({cfg.inference.embedded.dtype}) + KV cache at its largest {kv_mb:.0f} MiB = "
         f"{weights_mb + kv_mb:.0f} MiB"
     )

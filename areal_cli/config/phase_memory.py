@@ -6,8 +6,10 @@ the model's config.json for `areal train --dry-run` (no torch: the sizes are ari
   training  a trainer rank's shard of the parameters, the gradients and the optimizer
             state (activations come on top and depend on the micro-batch); the servers
             have released theirs.
-The KV cache of the embedded server is its worst case (max_running_requests rows of the
-whole context); SGLang and vLLM reserve a fraction of the GPU instead, which is shown.
+The KV cache of the embedded server is its worst case: as many rows as it runs at once
+(max_running_requests, at most a batch's samples), each of the longest sequence (a
+single-turn rollout's prompt and reply: max_prompt_len + max_new_tokens; else the
+context); SGLang and vLLM reserve a fraction of the GPU instead, which is shown.
 """
 
 from __future__ import annotations
@@ -85,7 +87,11 @@ def estimate(cfg: ExperimentConfig, mode: AllocationMode, config: dict) -> Phase
     if backend == "embedded":
         e = cfg.inference.embedded
         context = e.context_length or config.get("max_position_embeddings", 2048)
-        kv = e.max_running_requests * context * kv_bytes_per_token(config, server_bytes)
+        if not cfg.rollout.agent and cfg.rollout.workflow == "single_turn":
+            # one turn: no sequence is longer than a prompt and its reply
+            context = min(context, cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens)
+        rows = min(e.max_running_requests, cfg.rollout.batch_size * cfg.rollout.group_size)
+        kv = rows * context * kv_bytes_per_token(config, server_bytes)
     elif backend == "sglang":
         fraction = cfg.inference.sglang.mem_fraction_static
     else:

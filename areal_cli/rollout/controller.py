@@ -168,6 +168,8 @@ async def run_loop(
                 await evaluator.close()
             if proxy is not None:
                 await proxy.close()
+            if ctx.phases is not None:
+                ctx.phases.close()
     finally:
         rewards.close()
         await client.close()

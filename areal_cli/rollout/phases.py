@@ -12,9 +12,11 @@ the turns:
                written, and the trainer, which gave back its devices after its last step
                (trainer.offload), takes them for step k.
   to rollout   weights vk are published: once every trainer rank has given the devices
-               back (its heartbeat shows it waiting for its next batch, or done), the
-               servers take back their weights' memory, load vk (the weight sync), take
-               back the KV cache's, and the gate opens.
+               back (its heartbeat says so: on a GPU after its step's saves and the
+               offload, on a CPU, where nothing moves, right after publishing vk, so the
+               saves overlap the next rollout), the servers take back their weights'
+               memory, load vk (the weight sync), take back the KV cache's, and the gate
+               opens.
 
 Each step's metrics line has `colocated` 1 and the handover's figures:
   phase_release_s       the calls in flight ending and the servers releasing (before k);
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from areal_cli.rundir import heartbeat
+from areal_cli.rundir import handoff, heartbeat
 
 if TYPE_CHECKING:
     from areal_cli.inference.client import InferenceClient
@@ -40,11 +42,10 @@ TRAINER_BEAT = "trainer-"  # the trainer ranks' heartbeat names (trainer.main)
 
 
 def trainer_gave_back(run_dir: Path) -> bool:
-    """Whether no trainer rank holds devices now: each waits for its next input, or is
-    done (a rank's phases, trainer.main; a rank without a heartbeat yet holds none)."""
-    return all(
-        beat.phase.startswith("wait for ") or beat.phase == "done"
-        for beat in heartbeat.read_all(run_dir, TRAINER_BEAT).values()
+    """Whether no trainer rank holds the devices now (each says so in its heartbeat,
+    trainer.state.give_back; a rank without a heartbeat yet holds none)."""
+    return not any(
+        beat.holds_devices for beat in heartbeat.read_all(run_dir, TRAINER_BEAT).values()
     )
 
 
@@ -56,14 +57,24 @@ class Phases:
         client: InferenceClient,
         trainer_idle: Callable[[], bool],
         poll_s: float = 0.02,
+        watcher: handoff.Watcher | None = None,
     ) -> None:
+        """`trainer_idle()` says whether the trainer has given the devices back; it is
+        asked again whenever `watcher` (on the heartbeat folder) sees a heartbeat
+        renamed in, and every `poll_s` without one."""
         self.client, self.trainer_idle, self.poll_s = client, trainer_idle, poll_s
+        self.watcher = watcher
         self.released = False
         self.figures: dict[int, dict[str, float]] = {}  # by step (= the version it makes)
 
     @classmethod
     def for_run(cls, client: InferenceClient, run_dir: Path) -> Phases:
-        return cls(client, lambda: trainer_gave_back(run_dir))
+        watcher = handoff.Watcher(Path(run_dir) / heartbeat.HEARTBEAT_DIR)
+        return cls(client, lambda: trainer_gave_back(run_dir), 0.5, watcher)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
 
     def _add(self, step: int, key: str, seconds: float) -> None:
         figures = self.figures.setdefault(step, {"colocated": 1.0})
@@ -84,7 +95,10 @@ class Phases:
             return
         start = time.perf_counter()
         while not self.trainer_idle():
-            await asyncio.sleep(self.poll_s)
+            if self.watcher is None:
+                await asyncio.sleep(self.poll_s)
+            else:  # woken by the trainer's next heartbeat
+                await self.watcher.wait_async(self.poll_s)
         waited = time.perf_counter()
         await self.client.resume_memory(["weights"])
         self._add(version, "phase_trainer_wait_s", waited - start)

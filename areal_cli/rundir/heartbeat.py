@@ -7,8 +7,10 @@ sees the previous state or the new one, never half of one. There is no fsync: a
 heartbeat describes a live process and means nothing after a crash of the machine.
 
 Each state holds the process's pid, the phase, `since` (wall time the phase started),
-`seq` (phases entered so far; it only grows), `steps_done` and `step_s` (how long the
-last finished step took, waiting for its input included; 0 before the first). A process stuck inside a
+`seq` (phases entered so far; it only grows), `steps_done`, `step_s` (how long the
+last finished step took, waiting for its input included; 0 before the first) and
+`holds_devices` (a colocated trainer rank says False once it has given the devices to
+the servers: areal_cli.rollout.phases waits for that). A process stuck inside a
 phase stops updating its file, so `now - since` is how long it has been stuck there.
 
 Stack dumps: `Heartbeat.enable_stack_dump()` makes SIGUSR1 write every thread's Python
@@ -46,6 +48,7 @@ class Beat:
     steps_done: int
     time: float
     step_s: float = 0.0
+    holds_devices: bool = True  # a colocated trainer: False while the servers may use them
 
 
 class Heartbeat:
@@ -60,6 +63,7 @@ class Heartbeat:
         self.seq = 0
         self.steps_done = 0
         self.step_s = 0.0
+        self.holds_devices = True  # written with each phase (colocated runs read it)
         self.last_phase = ""
         self._stack_file: IO[str] | None = None
         fault = os.environ.get(FAULT_ENV, "")
@@ -80,6 +84,7 @@ class Heartbeat:
             "steps_done": self.steps_done,
             "step_s": self.step_s,
             "time": now,
+            "holds_devices": self.holds_devices,
         }
         with open(self._tmp, "w") as f:
             f.write(json.dumps(state))

@@ -250,20 +250,33 @@ class TrainerState:
         """Step `step` of `role`, then its line and saves; the heartbeat gets its time.
         A colocated trainer then gives its devices back."""
         start = time.perf_counter()
-        self.finish_step(role.step(self, step))
+        record = role.step(self, step)
+        saves_on_device = self.offload is not None  # a GPU's saves read the shards there
+        if not saves_on_device:  # nothing moves: the next rollout may go on beside the saves
+            self.give_back()
+        self.finish_step(record)
         self.beat.step_s = time.perf_counter() - start
         self.give_back()
 
     def give_back(self) -> None:
-        """Colocated: the devices to the servers until `take_devices` (trainer.offload)."""
+        """Colocated: the devices to the servers until `take_devices` (on a GPU the
+        parameters and optimizer state move to host memory: trainer.offload); the
+        heartbeat says so (rollout.phases waits for it)."""
+        if not self.colocated or not self.beat.holds_devices:
+            return
         if self.offload is not None:
             self.beat.phase("offload to host memory")
             print0(f"[trainer] offloaded to host memory in {self.offload.to_host():.2f}s")
+        self.beat.holds_devices = False
+        self.beat.phase("devices given back")
 
     def take_devices(self) -> None:
-        """Colocated: back on the devices for a step or an export."""
+        """Colocated: the devices back, for a step or an export."""
+        if not self.colocated or self.beat.holds_devices:
+            return
+        self.beat.holds_devices = True
+        self.beat.phase("take the devices")
         if self.offload is not None:
-            self.beat.phase("load onto the devices")
             print0(f"[trainer] back on the devices in {self.offload.to_device():.2f}s")
 
     def finish_step(self, record: TrainerStep) -> None:
@@ -298,6 +311,7 @@ class TrainerState:
             self.beat.phase("final checkpoint")
             self.export(last, "checkpoints")
         self.checkpointer.wait_for_cleanup()
+        self.beat.holds_devices = False
         self.beat.phase("done")
         dist.barrier()  # the process then exits without tearing gloo down (trainer.main)
 
