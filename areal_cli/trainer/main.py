@@ -144,7 +144,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     done = state.resume() if args.resume else 0
     role.begin(state, done, last)
     for step in range(done + 1, last + 1):
-        state.run_step(role, step)
+        state.run_step(role, step, final=step == last)
     state.close(done + 1, last)
 
 

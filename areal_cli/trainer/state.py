@@ -246,17 +246,19 @@ class TrainerState:
                 parent, name, step, t.model, t.model_dir, meta, keep, prefix=prefix
             )
 
-    def run_step(self, role: Role, step: int) -> None:
+    def run_step(self, role: Role, step: int, final: bool = False) -> None:
         """Step `step` of `role`, then its line and saves; the heartbeat gets its time.
-        A colocated trainer then gives its devices back."""
+        A colocated trainer then gives its devices back; on a GPU not after the `final`
+        step, whose export (`close`) reads the shards there: "done" gives them back."""
         start = time.perf_counter()
         record = role.step(self, step)
-        saves_on_device = self.offload is not None  # a GPU's saves read the shards there
-        if not saves_on_device:  # nothing moves: the next rollout may go on beside the saves
+        on_device = self.offload is not None  # a GPU's saves and exports read the shards there
+        if not on_device:  # nothing moves: the next rollout may go on beside the saves
             self.give_back()
         self.finish_step(record)
         self.beat.step_s = time.perf_counter() - start
-        self.give_back()
+        if not (on_device and final):
+            self.give_back()
 
     def give_back(self) -> None:
         """Colocated: the devices to the servers until `take_devices` (on a GPU the
