@@ -180,6 +180,7 @@ def train(
     """Train with asynchronous RL as the recipe says."""
     from areal_cli.launch.plan import build_plan, new_run_id, pick_ports
 
+    overrides = overrides or []  # Typer gives None for none (`areal train RECIPE`)
     loaded, result = _load_and_check(recipe, overrides, "train", launch=not dry_run)
     ports = pick_ports(loaded.config, result.allocation)  # a dry run shows what it would pick
     plan = build_plan(loaded.config, result.allocation, ports=ports, run_id=new_run_id())

@@ -296,3 +296,23 @@ def test_a_frozen_server_is_named(tmp_path: Path) -> None:
     assert "not answering /health: server-0" in err, err[-3000:]
     assert "the trainer waits in 'wait for rollouts/step-" in err, err[-3000:]
     _assert_no_processes_left(run_dir)
+
+
+def test_a_recipe_runs_as_the_readme_types_it_with_no_overrides(tmp_path: Path) -> None:
+    """`areal train RECIPE` alone (Typer passes no overrides as None), here a colocated
+    recipe of a few steps built on the shipped one, into ./runs of the working folder."""
+    (tmp_path / "recipe.yaml").write_text(
+        "# Usage: areal train recipe.yaml\n"
+        f"defaults:\n  - {REPO}/recipes/tiny_cpu_colocated.yaml\n"
+        "total_train_steps: 2\n"
+        "rollout: {batch_size: 4, group_size: 2, max_concurrent_rollouts: 4}\n"
+        "logging: {display: plain}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_cli.cli", "train", "recipe.yaml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    metrics = tmp_path / "runs" / "tiny-cpu-colocated" / "trial0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["colocated"] == 1 for r in rows)
