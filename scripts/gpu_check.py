@@ -42,29 +42,15 @@ sys.path.insert(0, str(REPO))
 Row = tuple[str, bool, str]  # (check, passed, figures)
 
 
-def _trainer_metrics(fileroot: Path) -> list[dict]:
-    path = fileroot / "gloo" / "t" / "logs" / "trainer-metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-def _weights(fileroot: Path, version: int) -> dict:
-    from safetensors.torch import load_file
-
-    folder = fileroot / "gloo" / "t" / "weights" / f"v{version}"
-    tensors: dict = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 def _train(work: Path, name: str, model: Path, batches: Path, gpus: int, **keys: object) -> Path:
+    """A trainer run of one rank on fixed batches; its run directory."""
     from tests.gloo.conftest import torchrun, write_config
 
     fileroot = work / name
     keys = {"cluster.n_gpus_per_node": gpus, "total_train_steps": 2, **keys}
     config = write_config(work / f"{name}.yaml", model, fileroot, **keys)
     torchrun(1, config, "--batches", str(batches), "--dp", "1", timeout=600)
-    return fileroot
+    return fileroot / "gloo" / "t"  # the run directory write_config names
 
 
 def check_trainer(work: Path, device: str) -> list[Row]:
@@ -79,14 +65,16 @@ def check_trainer(work: Path, device: str) -> list[Row]:
         work, "bf16", model, batches, gpus,
         **{"actor.fsdp.param_dtype": "bfloat16", "actor.fsdp.reduce_dtype": "float32"},
     )  # fmt: skip
-    a, b, c = (_trainer_metrics(root) for root in (one, two, bf16))
+    from tests.gloo.test_trainer import _max_diff, _metrics, _weights
+
+    a, b, c = (_metrics(root) for root in (one, two, bf16))
     loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True))
     wa, wb, wc = (_weights(root, 2) for root in (one, two, bf16))
-    weight_diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    weight_diff = _max_diff(wa, wb)
     bf16_loss = max(
         abs(x["loss"] - y["loss"]) / max(1e-6, abs(x["loss"])) for x, y in zip(a, c, strict=True)
     )
-    bf16_weights = max(float((wa[k] - wc[k]).abs().max()) for k in wa)
+    bf16_weights = _max_diff(wa, wc)
     backend = "nccl" if device == "cuda" else "gloo"
     return [
         (
@@ -200,7 +188,9 @@ def check_throughput(work: Path, device: str) -> list[Row]:
         work, "small", small, batches, 1 if device == "cuda" else 0, total_train_steps=3,
         **{"rollout.batch_size": 8},
     )  # fmt: skip
-    step_s = statistics.median(r["train_s"] for r in _trainer_metrics(root)[1:])
+    from tests.gloo.test_trainer import _metrics
+
+    step_s = statistics.median(r["train_s"] for r in _metrics(root)[1:])
     if device == "cuda":
         torch.cuda.synchronize()
     return [

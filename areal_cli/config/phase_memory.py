@@ -20,6 +20,7 @@ from areal_cli.config.allocation import AllocationMode
 from areal_cli.config.schema import ExperimentConfig
 
 GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
 def size(n: int) -> str:
@@ -27,15 +28,17 @@ def size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+def _heads(config: dict) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head size) of a config.json."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    return heads, kv, config.get("head_dim") or config["hidden_size"] // heads
 
 
 def param_count(config: dict) -> int:
     """Parameters of a Llama-style decoder described by its config.json."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    hd = config.get("head_dim") or h // heads
+    heads, kv, hd = _heads(config)
     attention = 2 * h * heads * hd + 2 * h * kv * hd
     mlp = 3 * h * config["intermediate_size"]
     embeddings = config["vocab_size"] * h
@@ -44,9 +47,7 @@ def param_count(config: dict) -> int:
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
-    h, heads = config["hidden_size"], config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    hd = config.get("head_dim") or h // heads
+    _, kv, hd = _heads(config)
     return 2 * config["num_hidden_layers"] * kv * hd * dtype_bytes
 
 

@@ -298,20 +298,15 @@ def _assign_devices(
     ('|'), both sides get the same devices: server i its own share of them, the trainer
     all; on a CPU every process may use every core, since only one side works at a time."""
     n_servers = mode.n_servers
-    if mode.colocated and mode.inference is not None and mode.train is not None:
-        if device_type == "cuda":
-            per_server = mode.inference.per_replica_size
-            servers = [list(range(i * per_server, (i + 1) * per_server)) for i in range(n_servers)]
-            return servers, list(range(mode.train.world_size))
-        cores = list(range(n_cpus))
-        return [cores for _ in range(n_servers)], cores
     if device_type == "cuda":
         per_server = mode.inference.per_replica_size if mode.inference else 0
         servers = [list(range(i * per_server, (i + 1) * per_server)) for i in range(n_servers)]
-        first = n_servers * per_server
+        first = 0 if mode.colocated else n_servers * per_server
         trainer = list(range(first, first + (mode.train.world_size if mode.train else 0)))
         return servers, trainer
     cores = list(range(n_cpus))
+    if mode.colocated:
+        return [cores for _ in range(n_servers)], cores
     if mode.train is None:
         return _split(cores, n_servers), []
     if n_servers == 0:  # a role with no inference server (sft): the trainer takes every core

@@ -5,8 +5,8 @@ On a GPU the parameters (FSDP2's shards), the gradients and the optimizer state 
 host memory after each step and back before the next, while the servers generate on the
 same GPU. On a CPU they live in host memory already, so nothing moves: the trainer's
 threads sleep while it waits for its next batch, and the servers' use every core
-meanwhile. The trainer then tells the controller through its heartbeat phase ("wait for
-rollouts/step-K" once it has given back, trainer.main).
+meanwhile. The trainer tells the controller through its heartbeat (`holds_devices`,
+trainer.state.give_back and take_devices, which alone call this and never twice in a row).
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ class Offload:
         self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], device: str
     ) -> None:
         self.modules, self.optimizers, self.device = modules, optimizers, torch.device(device)
-        self.on_host = False
         self._moved: list[tuple[dict, str]] = []  # optimizer-state entries that were on device
 
     @torch.no_grad()
     def to_host(self) -> float:
         """Parameters, gradients and optimizer state to host memory; the seconds taken."""
         start = time.perf_counter()
-        if self.on_host:
-            return 0.0
         for module in self.modules:
             module.to("cpu")
         self._moved = []
@@ -45,15 +42,12 @@ class Offload:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        self.on_host = True
         return time.perf_counter() - start
 
     @torch.no_grad()
     def to_device(self) -> float:
         """Everything `to_host` moved, back on the device; the seconds taken."""
         start = time.perf_counter()
-        if not self.on_host:
-            return 0.0
         for module in self.modules:
             module.to(self.device)
         for state, key in self._moved:
@@ -61,5 +55,4 @@ class Offload:
         self._moved = []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.on_host = False
         return time.perf_counter() - start

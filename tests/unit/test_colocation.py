@@ -16,6 +16,7 @@ from areal_cli.config.loader import load_config
 from areal_cli.config.phase_memory import estimate, param_count
 from areal_cli.config.rules import check_config
 from areal_cli.inference.backends import backend_for
+from areal_cli.launch.plan import build_plan
 from areal_cli.rollout.phases import Phases, trainer_gave_back
 from areal_cli.rollout.state import LoopState
 from areal_cli.rollout.sync import WeightSync
@@ -75,8 +76,6 @@ def test_the_plan_shares_devices_and_says_so_on_each_command_line() -> None:
             REPO / "recipes" / "tiny_cpu.yaml", [f"allocation_mode={backend}:d1|fsdp:d1", *gpu]
         )
         mode = parse_allocation(loaded.config.allocation_mode)
-        from areal_cli.launch.plan import build_plan
-
         plan = build_plan(
             loaded.config, mode, ports=_ports(loaded.config, mode), run_id="r1", python="/py"
         )
