@@ -21,7 +21,7 @@ from areal_cli.rollout.sync import GroupPlan, GroupSync
 from areal_cli.rundir import handoff
 from areal_cli.rundir.weight_group import GroupSpec
 from tests.conftest import REPO, free_port
-from tests.gloo.conftest import TORCHRUN
+from tests.gloo.conftest import torchrun_argv
 from tests.inference.test_server import Server, serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.gloo]
@@ -63,8 +63,8 @@ def test_servers_receive_the_trainers_weights_bit_for_bit(
     weights, out = tmp_path / "weights", tmp_path / "out"
     spec = GroupSpec("127.0.0.1", free_port(), 1 + len(servers), "gloo", 60.0)
     probe = subprocess.Popen(
-        [TORCHRUN, "--standalone", "--nproc-per-node", str(dp * tp), str(PROBE),
-         str(tiny_model_dir), str(weights), str(out), json.dumps(spec.to_json()), str(dp), str(tp)],
+        torchrun_argv(dp * tp, str(PROBE), str(tiny_model_dir), str(weights), str(out),
+                      json.dumps(spec.to_json()), str(dp), str(tp)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )  # fmt: skip
     ranks = {s.url: 1 + i for i, s in enumerate(servers)}
