@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,13 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from areal_cli.launch.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(fileroot: Path, staleness: int, args: argparse.Namespace) -> list[dict]:

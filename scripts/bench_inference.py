@@ -57,7 +57,6 @@ import asyncio
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from areal_cli.inference.client import InferenceClient
 from areal_cli.launch.local import ServerProcess, start_server
+from areal_cli.launch.ports import free_port
 from areal_cli.models.tiny_model import build_tiny_model, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,12 +162,6 @@ def sampling(req: Request, temperature: float) -> dict:
         "max_new_tokens": req.max_new_tokens,
         "ignore_eos": True,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- (a) server

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from areal_cli.config.schema import TrainEngineConfig  # noqa: E402
+from areal_cli.launch.ports import free_port  # noqa: E402
 from areal_cli.rundir.batch import RolloutBatch, write_batch  # noqa: E402
 
 
@@ -58,12 +58,6 @@ def make_batch(n_seqs: int, seq_len: int, vocab: int, group_size: int = 4) -> Ro
         )
     rewards = torch.randint(0, 2, (n_seqs,), generator=gen).float().tolist()
     return RolloutBatch.from_sequences(seqs, rewards, group_size)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fsdp_steps(

@@ -122,8 +122,8 @@ async def controller(
 
 
 def measure(model: Path, n_servers: int, method: str, versions: int) -> dict[str, float]:
+    from areal_cli.launch.ports import free_port
     from areal_cli.rundir.weight_group import GroupSpec
-    from tests.conftest import free_port
 
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
         root = Path(tmp)

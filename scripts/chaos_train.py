@@ -28,21 +28,16 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from areal_cli.launch.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("server", "trainer", "controller")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_of(run_dir: Path) -> list[tuple[int, str]]:

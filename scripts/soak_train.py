@@ -21,21 +21,16 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from areal_cli.launch.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN_CAPS = (16, 20, 24, 32, 48, 64, 128, 512)
 GROUP_SIZES = (2, 3, 4, 6, 8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_run(index: int, rng: random.Random, args: argparse.Namespace, root: Path) -> dict:

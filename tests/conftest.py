@@ -4,13 +4,13 @@ models and tokenizer every package uses (built once per run)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from areal_cli.launch.ports import free_port  # noqa: F401  (the tests' one helper for a free port)
 from areal_cli.models.builtin import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,13 +51,6 @@ def _start_rank(item: pytest.Item) -> int:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_start_rank)  # stable: collection order within each group
-
-
-def free_port() -> int:
-    """A port free on loopback now (the one helper the tests share for this)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_areal(

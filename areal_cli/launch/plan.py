@@ -42,6 +42,7 @@ from areal_cli.config.loader import REDACTED
 from areal_cli.config.resolve import on_loopback
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.inference.backends import ServerSpec, backend_for
+from areal_cli.launch.ports import free_ports
 from areal_cli.rundir.layout import initial_model_path, run_dir_of
 from areal_cli.rundir.paths import SUBDIRS, RunDir
 from areal_cli.rundir.weight_group import GroupSpec
@@ -75,38 +76,20 @@ class Ports:
 
 def pick_ports(cfg: ExperimentConfig, mode: AllocationMode) -> Ports:
     """The configured ports, with free ones picked for every port left at 0. A picked
-    port can still be taken before its server binds it: that server then fails to start
-    (its log says so), and the identity check keeps the controller off whoever holds it."""
+    port is picked below the ephemeral range (`launch.ports`), so no outgoing connection
+    takes it before its server binds it; a process that binds it on purpose in between
+    makes that server fail to start (its log says so), and the identity check keeps the
+    controller off whoever holds it."""
     n = mode.n_servers
     base = cfg.launcher.inference_base_port
-    servers = tuple(base + i for i in range(n)) if base else _free_ports(n)
+    servers = tuple(base + i for i in range(n)) if base else free_ports(n)
     trainer = cfg.launcher.trainer_port
     if not trainer and cfg.launcher.type != "local" and mode.train is not None:
-        trainer = _free_ports(1, avoid=servers)[0]
+        trainer = free_ports(1, avoid=servers)[0]
     group = 0
     if cfg.actor.weight_update.distributed and mode.train is not None and n:
-        group = _free_ports(1, avoid=(*servers, trainer))[0]
+        group = free_ports(1, avoid=(*servers, trainer))[0]
     return Ports(servers, trainer, group)
-
-
-def _free_ports(n: int, avoid: tuple[int, ...] = ()) -> tuple[int, ...]:
-    """`n` distinct ports that nothing listens on now (the kernel's picks of port 0)."""
-    import socket
-
-    picked: list[int] = []
-    holders = []
-    try:
-        while len(picked) < n:
-            s = socket.socket()
-            holders.append(s)  # held open until all are picked, so no pick repeats
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-            if port not in avoid:
-                picked.append(port)
-    finally:
-        for s in holders:
-            s.close()
-    return tuple(picked)
 
 
 @dataclass

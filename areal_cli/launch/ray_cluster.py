@@ -41,6 +41,7 @@ from typing import Any
 
 from areal_cli.launch.local import Child, LocalRunner, signal_group
 from areal_cli.launch.plan import HEAD_NODE, LaunchPlan, ProcessSpec
+from areal_cli.launch.ports import free_port
 from areal_cli.launch.step import server_command
 from areal_cli.rundir.paths import RunDir
 from areal_cli.rundir.registry import HOST_ENV
@@ -176,7 +177,7 @@ class RayRunner(LocalRunner):
             return
         # Short: Ray's socket paths must fit in 107 bytes. ray_head removes it at the end.
         self.temp_dir = tempfile.mkdtemp(prefix="areal-ray-")
-        port = _free_port()
+        port = free_port()
         head = [
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={port}",
@@ -261,14 +262,6 @@ def _stop_actors(children: list[Child], grace_s: float) -> None:
         pass  # an actor that died took its process group with it
     for child in children:
         ray.kill(child.popen.actor)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _bundle(spec: ProcessSpec) -> dict[str, float]:

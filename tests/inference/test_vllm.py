@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from areal_cli.inference.backends.vllm import (
     vllm_env,
 )
 from areal_cli.inference.client import InferenceClient, WeightUpdateFailed
-from tests.conftest import REPO, run_areal
+from tests.conftest import REPO, free_port, run_areal
 
 VLLM_PYTHON = os.environ.get("AREAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
@@ -173,12 +172,6 @@ def test_vllm_own_parser_takes_our_command_line() -> None:
     assert out.stdout.split()[-4:] == ["/m", "8123", "True", "False"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     """A run's vLLM server (weight-update routes on), in bfloat16, as GPU recipes run it;
@@ -186,7 +179,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     vLLM start fewer than a server of each dtype here."""
     from areal_cli.launch.local import start_server
 
-    port = _port()
+    port = free_port()
     dtype = "bfloat16"
     options = ServeOptions(str(tiny_model_dir), port=port, dtype=dtype)
     argv = BACKENDS["vllm"].serve_argv(options, VLLM_PYTHON)
@@ -409,7 +402,7 @@ def test_areal_serve_runs_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
     import urllib.error
     import urllib.request
 
-    port = _port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = [
         *("serve", str(tiny_model_dir), "--backend", "vllm", "--python", VLLM_PYTHON),
