@@ -311,13 +311,16 @@ class InferenceClient:
             "did not join the weight-update group",
         )
 
-    async def receive_weights(self, addresses: Sequence[str], body: dict[str, Any]) -> list[Any]:
+    async def receive_weights(
+        self, addresses: Sequence[str], body: dict[str, Any], first: bool
+    ) -> list[Any]:
         """Have the servers at `addresses` receive one bucket of a version (all at once:
-        each tensor is one broadcast to all of them); raise `WeightUpdateFailed` naming
-        each server that failed. Returns their answers, in that order."""
+        each tensor is one broadcast to all of them; `first`: the version's first bucket);
+        raise `WeightUpdateFailed` naming each server that failed. Returns their answers,
+        in that order."""
         return await self._group_call(
             addresses,
-            lambda link, _: self.backend.receive_weights(link, body),
+            lambda link, _: self.backend.receive_weights(link, body, first),
             f"failed to receive {len(body.get('names', []))} tensors",
         )
 

@@ -15,6 +15,7 @@ from areal_cli.config.schema import SUPERVISED
 from areal_cli.launch.plan import REDACTED, LaunchPlan
 from areal_cli.metrics.display import make_console
 from areal_cli.rundir.paths import RunDir
+from areal_cli.rundir.weight_group import PROTOCOLS, TORCH_GROUP
 
 
 def print_plan(
@@ -60,8 +61,9 @@ def print_plan(
         members = ", ".join(
             ["trainer rank 0: 0"] + [f"{name}: {rank}" for name, rank in plan.group_ranks.items()]
         )
+        how = f"{g['backend']} ({PROTOCOLS[g.get('protocol', TORCH_GROUP)]})"
         console.print(
-            f"weight update: distributed over {g['backend']}, group {g['group_name']} of "
+            f"weight update: distributed over {how}, group {g['group_name']} of "
             f"{g['world_size']} on {g['master_address']}:{g['master_port']} (the trainer's "
             f"rank 0 hosts it); ranks: {members}; timeout {g['timeout_s']:g} s",
             markup=False,

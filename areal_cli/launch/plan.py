@@ -233,24 +233,28 @@ def build_plan(
 def _weight_group(
     cfg: ExperimentConfig, mode: AllocationMode, ports: Ports, device_type: str
 ) -> GroupSpec | None:
-    """The weight-update group of method distributed: the trainer's rank 0 (its master,
-    here: config.rules keeps the method to one machine) and every server rank."""
+    """The weight-update group of method distributed: the trainer's rank 0 (its master:
+    HEAD_NODE under a cluster launcher, the trainer's first node, which the runner
+    resolves for the trainer's command line and for the controller) and every server's
+    ranks."""
     if not (cfg.actor.weight_update.distributed and ports.weight_group) or mode.inference is None:
         return None
     return GroupSpec(
-        master_address="127.0.0.1",
+        master_address="127.0.0.1" if cfg.launcher.type == "local" else HEAD_NODE,
         master_port=ports.weight_group,
-        world_size=1 + mode.n_servers * mode.inference.tensor_parallel_size,
+        world_size=1 + mode.n_servers * mode.inference.per_replica_size,
         backend="nccl" if device_type == "cuda" else "gloo",
         timeout_s=cfg.trainer.collective_timeout_s,
+        protocol=backend_for(mode.inference_backend).group_protocol,
     )
 
 
 def _group_ranks(mode: AllocationMode) -> dict[str, int]:
-    """Each server's first rank in the weight-update group (its TP ranks follow)."""
+    """Each server's first rank in the weight-update group (the ranks of its workers, TP
+    and PP, follow)."""
     assert mode.inference is not None
-    tp = mode.inference.tensor_parallel_size
-    return {f"server-{i}": 1 + i * tp for i in range(mode.n_servers)}
+    size = mode.inference.per_replica_size
+    return {f"server-{i}": 1 + i * size for i in range(mode.n_servers)}
 
 
 def _planned_nodes(cfg: ExperimentConfig) -> int:

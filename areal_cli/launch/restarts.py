@@ -119,11 +119,11 @@ class Restarter:
                 raise failed
             self.sink.warn(f"{failed}; restarting it")
             self.runner.stop(failed.child)
+            check = lambda: self.runner.check(allow_exit={"trainer"})  # noqa: E731
+            await recovery.may_start(check)  # colocated: not while the trainer holds the devices
             child = self.runner.start(failed.child.spec, failed.child.argv)
             try:
-                version = await recovery.up(
-                    address, check=lambda: self.runner.check(allow_exit={"trainer"})
-                )
+                version = await recovery.up(address, check=check)
                 break
             except ChildFailed as again:
                 if again.child is not child:

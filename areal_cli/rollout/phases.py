@@ -18,6 +18,10 @@ the turns:
                memory, load vk (the weight sync), take back the KV cache's, and the gate
                opens.
 
+A server that dies during a training turn is started again only at the next rollout turn
+(`Phases.rollout_turn`, which ServerRecovery waits for): a server that starts takes its
+memory (weights, and on a GPU its KV cache's share) while the trainer holds the devices.
+
 Each step's metrics line has `colocated` 1 and the handover's figures:
   phase_release_s       the calls in flight ending and the servers releasing (before k);
   phase_trainer_wait_s  from vk's publication until the trainer had given back;
@@ -65,6 +69,8 @@ class Phases:
         self.client, self.trainer_idle, self.poll_s = client, trainer_idle, poll_s
         self.watcher = watcher
         self.released = False
+        self._rollout_turn = asyncio.Event()  # set while the servers hold the devices
+        self._rollout_turn.set()
         self.figures: dict[int, dict[str, float]] = {}  # by step (= the version it makes)
 
     @classmethod
@@ -84,6 +90,7 @@ class Phases:
         """Batch `step` is complete and about to be written: hand the devices over."""
         start = time.perf_counter()
         await self.client.gate.hold()
+        self._rollout_turn.clear()  # from here no server starts (see the docstring)
         await self.client.release_memory()
         self.released = True
         self._add(step, "phase_release_s", time.perf_counter() - start)
@@ -111,7 +118,12 @@ class Phases:
             await self.client.resume_memory(["kv_cache"])
             self.released = False
             self._add(version, "phase_resume_s", time.perf_counter() - start)
+        self._rollout_turn.set()
         self.client.gate.open()
+
+    async def rollout_turn(self) -> None:
+        """Return once the servers hold the devices (at once outside a training turn)."""
+        await self._rollout_turn.wait()
 
     def take(self, version: int) -> dict[str, float]:
         """The figures for the metrics line of step `version` (once)."""

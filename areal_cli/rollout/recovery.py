@@ -50,6 +50,18 @@ class ServerRecovery:
         self.sync = sync
         self._down_at: dict[str, float] = {}  # when each server was taken down
 
+    async def may_start(self, check: Callable[[], None]) -> None:
+        """Return when a restarted server may start: at once, or in a colocated run at
+        the next rollout turn (rollout.phases); `check` raises if another process died
+        meanwhile."""
+        phases = self.sync.phases if self.sync is not None else None
+        while phases is not None:
+            try:
+                await asyncio.wait_for(phases.rollout_turn(), timeout=0.5)
+                return
+            except asyncio.TimeoutError:
+                check()
+
     def down(self, address: str) -> None:
         self._down_at[address] = time.monotonic()
         self.client.set_down(address)

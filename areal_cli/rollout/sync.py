@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from areal_cli.rollout.errors import RunFailed
 from areal_cli.rollout.state import LoopState
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import VERSION_PREFIX
-from areal_cli.rundir.weight_group import GroupSpec, group_token, update_body
+from areal_cli.rundir.weight_group import GroupSpec, announced_group, group_token, update_body
 
 if TYPE_CHECKING:
     from areal_cli.inference.client import InferenceClient
@@ -164,9 +164,9 @@ class GroupSync(WeightSync):
             await self._new_version.wait_for(lambda: self._received.get(address, 0.0) > since)
 
     async def load_newest(self) -> bool:
-        token = group_token(self.weights_dir)
+        token, master = announced_group(self.weights_dir)
         if token and token != self.token:
-            await self._join(token)
+            await self._join(token, master)
             return True
         entry = self._next_entry()
         if entry is None:
@@ -183,7 +183,7 @@ class GroupSync(WeightSync):
                     last = i == len(buckets) - 1
                     version = str(entry.version) if last else None
                     body = update_body(bucket, version, self.group.spec.group_name)
-                    answers = await self.client.receive_weights(addresses, body)
+                    answers = await self.client.receive_weights(addresses, body, i == 0)
             except WeightUpdateFailed as exc:
                 failed = str(exc)
             else:
@@ -209,9 +209,10 @@ class GroupSync(WeightSync):
                 return entry
         return None
 
-    async def _join(self, token: str) -> None:
-        """Every server joins the group announced with `token` (a restarting one once it
-        answers /health: the group counts it)."""
+    async def _join(self, token: str, master: str) -> None:
+        """Every server joins the group announced with `token`, whose store the trainer's
+        rank 0 said is at `master` (a restarting server once it answers /health: the
+        group counts it)."""
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self.group.ranks:
             while not await self.client.healthy(address):
@@ -223,7 +224,7 @@ class GroupSync(WeightSync):
                 await asyncio.sleep(0.2)
         from areal_cli.inference.client import WeightUpdateFailed
 
-        spec = self.group.spec
+        spec = replace(self.group.spec, master_address=master or self.group.spec.master_address)
         bodies = {address: spec.init_body(rank) for address, rank in self.group.ranks.items()}
         try:
             await self.client.join_weight_group(bodies)

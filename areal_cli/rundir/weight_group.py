@@ -20,6 +20,16 @@ Only the trainer's rank 0 is in the group: the other trainer ranks help gather a
 tensor (FSDP2 and TP) inside the trainer's own group, one bucket at a time, so no rank
 holds more than one bucket of whole tensors beyond its shards.
 
+vLLM makes its side of the group its own way (`GroupSpec.protocol` PYNCCL; its routes and
+the bodies are inference.backends.vllm's, the trainer's side trainer.weight_sender's);
+the ranks, the order of the tensors and the announcements below are the same.
+
+Where the group meets: the plan names the trainer's first node (127.0.0.1 on one machine,
+HEAD_NODE under a cluster launcher, which the runner fills in), and the trainer's rank 0
+says its own address in RUN/weights/group.json with each new group (`own_address`), which
+the controller gives the servers: torchrun's rendezvous, not the plan, decides which node
+rank 0 runs on.
+
 The trainer announces each version as a handoff entry RUN/weights/vK whose manifest holds
 `method: distributed` and the buckets, renamed into place before the first broadcast;
 the controller reads it and asks the servers for the buckets in order.
@@ -43,6 +53,12 @@ GROUP_NAME = "areal_weight_update"
 METHOD = "distributed"
 GROUP_FILE = "group.json"  # RUN/weights/group.json: the trainer's newest group, by token
 
+# How the members make the group, by `GroupSpec.protocol`, as --dry-run says it. Each
+# backend names its own (InferenceBackend.group_protocol).
+TORCH_GROUP = "torch"  # torch's group on the TCP store below, as SGLang makes it
+PYNCCL = "pynccl"  # vLLM's StatelessProcessGroup and PyNccl (its NCCL weight-transfer engine)
+PROTOCOLS = {TORCH_GROUP: "SGLang's weight-update group", PYNCCL: "vLLM's weight transfer"}
+
 # (name, dtype without "torch.", shape) of one tensor, as /update_weights_from_distributed
 # lists them
 TensorMeta = tuple[str, str, list[int]]
@@ -58,6 +74,9 @@ class GroupSpec:
     backend: str  # "gloo" or "nccl"
     timeout_s: float
     group_name: str = GROUP_NAME
+    # how the members make the group (PROTOCOLS): TORCH_GROUP (below: SGLang's servers and
+    # the embedded one) or PYNCCL (vLLM's NCCL weight-transfer engine)
+    protocol: str = "torch"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,22 +135,47 @@ def update_body(
     }
 
 
-def announce_group(weights_dir: Path, token: str) -> None:
-    """The trainer's rank 0 forms a group: RUN/weights/group.json takes `token` (written
-    to a temp file and renamed into place)."""
+def announce_group(weights_dir: Path, token: str, master_address: str) -> None:
+    """The trainer's rank 0 forms a group: RUN/weights/group.json takes `token` and the
+    address its store listens on (written to a temp file and renamed into place)."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     path = weights_dir / GROUP_FILE
     tmp = path.with_name(f".{GROUP_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"token": token, "created": time.time()}))
+    record = {"token": token, "master_address": master_address, "created": time.time()}
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
+
+
+def announced_group(weights_dir: Path) -> tuple[str, str]:
+    """The trainer's newest group: its token and where its store listens (the trainer's
+    rank 0), read together; ('', '') before the first."""
+    try:
+        record = json.loads((weights_dir / GROUP_FILE).read_text())
+        return str(record["token"]), str(record.get("master_address") or "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "", ""
 
 
 def group_token(weights_dir: Path) -> str:
     """The token of the trainer's newest group ('' before the first)."""
+    return announced_group(weights_dir)[0]
+
+
+def own_address(toward: str) -> str:
+    """This machine's address as a peer at `toward` reaches it: the source address of a
+    route to `toward` (a UDP socket is only routed, nothing is sent). Under a cluster
+    launcher the trainer's rank 0 is on whichever node torchrun's rendezvous made node 0,
+    not necessarily the plan's first node, so it says its own address (`announce_group`)."""
+    import socket
+
+    if toward in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
     try:
-        return str(json.loads((weights_dir / GROUP_FILE).read_text())["token"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((toward, 9))
+            return str(sock.getsockname()[0])
+    except OSError:  # no route (or not an IPv4 name): the plan's address
+        return toward
 
 
 class Group:

@@ -20,6 +20,7 @@ small broadcast), rank 0 forms a new group, which the controller has every serve
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 import time
@@ -34,12 +35,14 @@ from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import version_name
 from areal_cli.rundir.weight_group import (
     METHOD,
+    PYNCCL,
     Group,
     GroupSpec,
     TensorMeta,
     announce_group,
     buckets,
     dtype_name,
+    own_address,
 )
 
 ATTEMPTS = 3  # sends of one version, each in a new group, before the trainer gives up
@@ -61,7 +64,7 @@ class WeightSender:
 
     def __init__(self, spec: GroupSpec, weights_dir: Path, bucket_bytes: int) -> None:
         self.spec, self.weights_dir, self.bucket_bytes = spec, weights_dir, bucket_bytes
-        self.group: Group | None = None
+        self.group: Group | VLLMGroup | None = None
         self.token = ""
 
     def join(self) -> None:
@@ -69,17 +72,19 @@ class WeightSender:
         if dist.get_rank() != 0:
             return
         self.token = secrets.token_hex(6)
-        announce_group(self.weights_dir, self.token)
+        address = own_address(self.spec.master_address)
+        announce_group(self.weights_dir, self.token, address)
         start = time.perf_counter()
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.spec.backend == "nccl"
             else None
         )
-        self.group = Group(self.spec, 0, device)
+        here = dataclasses.replace(self.spec, master_address=address)  # its store is here
+        self.group = VLLMGroup(here) if here.protocol == PYNCCL else Group(here, 0, device)
         print(
             f"[trainer] weight-update group {self.token}: {self.spec.world_size} members on "
-            f"{self.spec.master_address}:{self.spec.master_port} ({self.spec.backend}), joined in "
+            f"{address}:{self.spec.master_port} ({self.spec.backend}), joined in "
             f"{time.perf_counter() - start:.2f}s",
             flush=True,
         )
@@ -144,6 +149,49 @@ class WeightSender:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class VLLMGroup:
+    """Rank 0 of a vLLM weight-transfer group (`GroupSpec.protocol` PYNCCL). vLLM's
+    servers make their side with vLLM's StatelessProcessGroup and PyNccl, so rank 0 joins
+    with vLLM's own trainer-side helper (vllm in the trainer's Python: the vLLM backend's
+    rules check it), and sends unpacked, one NCCL broadcast per tensor in the bucket's
+    order, as its engine receives with `packed: false` (inference.backends.vllm). NCCL
+    broadcasts have no timeout of their own: the wait for each bucket has the group's."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        except ImportError as exc:
+            raise WeightSendFailed(
+                f"the vLLM backend's distributed weight update needs vllm in the trainer's "
+                f"Python: {exc}"
+            ) from exc
+        self.spec = spec
+        rendezvous = {
+            "master_address": spec.master_address,
+            "master_port": spec.master_port,
+            "world_size": spec.world_size,
+        }
+        self.comm: Any = trainer_init(rendezvous, rank=0)
+        self.stuck = False
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        import threading
+
+        stream = torch.cuda.current_stream()
+        for tensor in tensors:
+            self.comm.broadcast(tensor, src=0, stream=stream)
+        done = threading.Thread(target=stream.synchronize, daemon=True)
+        done.start()
+        done.join(self.spec.timeout_s)
+        if done.is_alive():
+            self.stuck = True  # a communicator with a broadcast in flight cannot be destroyed
+            raise TimeoutError(f"a bucket's broadcasts did not finish in {self.spec.timeout_s:g}s")
+
+    def close(self) -> None:
+        if not self.stuck:
+            self.comm.destroy()
 
 
 def _any_rank(flag: bool) -> bool:

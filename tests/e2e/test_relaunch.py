@@ -90,16 +90,24 @@ def _served_version(pid: int) -> int:
         return int(json.loads(answer.read())["weight_version"])
 
 
-@pytest.mark.parametrize("method", ["disk", "distributed"])
-def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path, method: str) -> None:
+LAYOUTS = {
+    "disk": ["rollout.max_staleness=1"],
+    "distributed": ["rollout.max_staleness=1", "actor.weight_update.method=distributed"],
+    "colocated": ["allocation_mode=embedded:d1|fsdp:d1", "rollout.max_staleness=0"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path, layout: str) -> None:
     """Under the distributed method the trainer's next send fails on the dead server, so
     it forms a new group, which the restarted server joins: it takes traffic once it has
-    received that version whole."""
+    received that version whole. Colocated, a server that dies while the trainer steps
+    starts again at the next rollout turn (rollout.phases)."""
     run_dir = _run_dir(tmp_path)
     # enough steps that the kill, after the second one, lands well before the end: a
     # step of the tiny model takes ~0.1 s here
     steps = 16
-    args = _args(tmp_path, steps, "rollout.max_staleness=1", f"actor.weight_update.method={method}")
+    args = _args(tmp_path, steps, *LAYOUTS[layout])
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

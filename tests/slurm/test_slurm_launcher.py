@@ -1,7 +1,8 @@
 """`launcher.type: slurm` on a real one-host Slurm (two slurmd, "n1" and "n2"): the run
 trains as a job whose steps are the servers and the trainer, `areal ps / logs -f / stop`
 follow and end it, a controller killed with -9 takes its steps with it and `--resume`
-continues as a new job, a "2-node" layout finds its servers through the registry, and
+continues as a new job, a "2-node" layout finds its servers through the registry (and takes its weights over
+the network), and
 `sbatch --test-only` accepts what --dry-run prints."""
 
 from __future__ import annotations
@@ -153,8 +154,14 @@ def test_a_controller_killed_with_9_takes_its_steps_and_resume_is_a_new_job(
 def test_two_nodes_one_server_each_and_the_trainer_on_both(
     slurm_cluster: str, tmp_path: Path
 ) -> None:
+    """... with the weights over the network: the group's master is the trainer's first
+    node as Slurm knows it (NodeAddr), resolved for the trainer and the controller."""
     run_dir = tmp_path / "tiny-cpu" / "trial0"
-    two = ["cluster.n_nodes=2", "allocation_mode=embedded:d2+fsdp:d2"]
+    two = [
+        "cluster.n_nodes=2",
+        "allocation_mode=embedded:d2+fsdp:d2",
+        "actor.weight_update.method=distributed",
+    ]
     job = _submit(tmp_path, *_small(6), *two)
     placed: dict[str, str] = {}
 
@@ -171,6 +178,13 @@ def test_two_nodes_one_server_each_and_the_trainer_on_both(
     assert nodes == {"n1", "n2"}
     trainer_argv = json.loads((run_dir / "plan.json").read_text())["processes"][2]["argv"]
     assert trainer_argv[trainer_argv.index("--nnodes") + 1] == "2"
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "weight-update group" in trainer_log and "127.0.0.1:" in trainer_log, trainer_log
+    for server in ("server-0", "server-1"):  # every version came over the group
+        assert (
+            "weights swapped to the received version "
+            in (run_dir / "logs" / f"{server}.log").read_text()
+        )
     _assert_no_processes_left(run_dir)
 
 

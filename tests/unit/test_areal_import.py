@@ -67,6 +67,11 @@ def test_the_cpu_template_imports_for_vllm_on_cpu(tmp_path: Path) -> None:
     assert recipe["cluster"]["n_gpus_per_node"] == 0
     assert recipe["reward"]["fn"] == "builtin:math"  # the dataset's known script, said so
     assert "the reward of AReaL's openai/gsm8k scripts" in out.read_text()
+    # its xccl: vLLM's weight transfer is NCCL only, so on a CPU the weights go by disk
+    assert recipe["actor"]["weight_update"]["method"] == "disk"
+    assert "vLLM receives weights over the network with NCCL only" in out.read_text()
+    checked = run_areal("validate", str(out), f"cluster.fileroot={tmp_path}/runs")
+    assert "actor.weight_update" not in checked.stderr, checked.stderr
 
 
 def test_the_sft_recipe_imports_as_algorithm_sft(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ plan makes (ranks, port, backend), what --dry-run and validation say."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -107,6 +108,50 @@ def test_an_sglang_gpu_plan_counts_every_tp_rank() -> None:
     assert "--dist-timeout" in server.argv  # SGLang's own flag (tests/assets/sglang_flags.txt)
 
 
+def test_a_vllm_gpu_plan_makes_vllms_group() -> None:
+    """gsm8k_grpo.yaml with vLLM (t2 servers): vLLM's engine and the trainer's vLLM helper
+    make the group (protocol pynccl); every worker of a server has its own rank."""
+    loaded = load_config(
+        REPO / "recipes" / "gsm8k_grpo.yaml",
+        ["actor.weight_update.method=xccl", "allocation_mode=vllm:d2t2+fsdp:d4"],
+    )
+    result = check_config(loaded, launch=False, backends=backend_for)
+    assert not result.problems, [p.format() for p in result.problems]
+    cfg, mode = loaded.config, result.allocation
+    plan = build_plan(cfg, mode, ports=Ports((30000, 30001), 0, 29700), run_id="r1", python="/py")
+    group = GroupSpec.from_json(plan.weight_group)
+    assert (group.protocol, group.backend, group.world_size) == ("pynccl", "nccl", 5)
+    assert plan.group_ranks == {"server-0": 1, "server-1": 3}
+    server = next(p for p in plan.processes if p.name == "server-1")
+    assert server.argv[server.argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    # a launch needs vllm where the trainer runs (this suite's Python has none: make vllm
+    # puts it in a venv of its own)
+    if importlib.util.find_spec("vllm") is None:
+        launch = check_config(loaded, launch=True, backends=backend_for).problems
+        assert any("the trainer joins vLLM's weight-transfer group" in p.format() for p in launch)
+
+
+def test_under_slurm_rank_0_says_where_the_group_meets(tmp_path: Path) -> None:
+    """The plan names the trainer's first node (HEAD_NODE, which the Slurm runner fills in
+    the trainer's command line); torchrun's rendezvous may put rank 0 on another node, so
+    rank 0 announces its own address with the group, and the controller uses that."""
+    from areal_cli.launch.plan import HEAD_NODE
+    from areal_cli.rundir.weight_group import announce_group, announced_group, own_address
+
+    plan = _plan(
+        "actor.weight_update.method=distributed",
+        "launcher.type=slurm",
+        "cluster.n_nodes=2",
+        "allocation_mode=embedded:d2+fsdp:d2",
+    )
+    assert plan.weight_group["master_address"] == HEAD_NODE
+    trainer = next(p for p in plan.processes if p.name == "trainer")
+    assert HEAD_NODE in trainer.argv[trainer.argv.index("--weight-group") + 1]
+    assert announced_group(tmp_path) == ("", "")
+    announce_group(tmp_path, "t1", own_address("127.0.0.1"))
+    assert announced_group(tmp_path) == ("t1", "127.0.0.1")
+
+
 def test_dry_run_shows_the_group() -> None:
     result = areal_in_process(
         "train", str(REPO / "recipes" / "tiny_cpu.yaml"), "--dry-run",
@@ -115,7 +160,8 @@ def test_dry_run_shows_the_group() -> None:
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())
     assert (
-        "weight update: distributed over gloo, group areal_weight_update of 2 on 127.0.0.1:" in out
+        "weight update: distributed over gloo (SGLang's weight-update group), group areal_weight_update of 2 on 127.0.0.1:"
+        in out
     )
     assert "ranks: trainer rank 0: 0, server-0: 1" in out
 
@@ -123,8 +169,10 @@ def test_dry_run_shows_the_group() -> None:
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        (["allocation_mode=vllm:d1+fsdp:d1"], "not built for the vLLM backend yet"),
-        (["launcher.type=slurm"], "distributed runs on one machine in this version"),
+        (
+            ["allocation_mode=vllm:d1+fsdp:d1"],
+            "vLLM receives weights over the network with NCCL only",
+        ),
     ],
 )
 def test_what_the_method_refuses(overrides: list[str], says: str) -> None:

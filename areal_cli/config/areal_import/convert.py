@@ -403,17 +403,24 @@ class Specials:
                         f"actor.optimizer.type {opt['type']} -> {kind} (AReaL's adam decouples weight decay: AdamW)"
                     )
         update = actor.get("weight_update_mode")
-        launcher = self.out.get("launcher.type", "local")
+        mode = str(self.out.get("allocation_mode", ""))
+        no_gpu = self.section("cluster").get("n_gpus_per_node") == 0
         if update == "disk":
             self.out.set("actor.weight_update.method", "disk")
             self.out.changed.append("actor.weight_update_mode -> actor.weight_update.method")
-        elif update in ("xccl", "nccl") and "|" in str(self.out.get("allocation_mode", "")):
+        elif update in ("xccl", "nccl") and "|" in mode:
             self.out.set("actor.weight_update.method", "disk")
             self.out.changed.append(
                 f"actor.weight_update_mode {update} -> actor.weight_update.method: disk (a "
                 "colocated server loads each version from disk)"
             )
-        elif update in ("xccl", "nccl") and launcher == "local":
+        elif update in ("xccl", "nccl") and mode.startswith("vllm") and no_gpu:
+            self.out.set("actor.weight_update.method", "disk")
+            self.out.changed.append(
+                f"actor.weight_update_mode {update} -> actor.weight_update.method: disk (vLLM "
+                "receives weights over the network with NCCL only, and this recipe has no GPU)"
+            )
+        elif update in ("xccl", "nccl"):
             self.out.set("actor.weight_update.method", "distributed")
             self.out.changed.append(
                 f"actor.weight_update_mode {update} -> actor.weight_update.method: distributed (NCCL on GPUs, gloo on CPUs)"
@@ -421,7 +428,7 @@ class Specials:
         elif update is not None:
             self.out.set("actor.weight_update.method", "disk")
             self.out.lost.append(
-                f"actor.weight_update_mode {update}: the distributed weight update runs on one machine in this version (launcher {launcher}); areal hands weights over on disk"
+                f"actor.weight_update_mode {update}: areal hands weights over on disk or over the network (distributed)"
             )
         style = self.data.get("export_style")
         if style == "concat":

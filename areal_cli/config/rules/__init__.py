@@ -36,7 +36,7 @@ from areal_cli.config.rules.allocation import (
 )
 from areal_cli.config.rules.launcher import check_slurm
 from areal_cli.config.rules.paths import check_dataset, check_model
-from areal_cli.config.rules.rl import check_rl, check_weight_update
+from areal_cli.config.rules.rl import check_rl
 from areal_cli.config.rules.roles import (
     check_critic,
     check_reward_model,
@@ -104,7 +104,6 @@ def check_config(
     if launch and command in ("train", "eval"):
         check_fileroot(c)
     check_slurm(c)
-    check_weight_update(c)
     return c.result
 
 

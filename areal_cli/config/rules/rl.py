@@ -241,18 +241,3 @@ def _check_eval_during_training(c: Checker) -> None:
             f"holds {ev.holdout} prompts out of training, but eval.freq_steps is 0, so they are never evaluated",
             "set eval.freq_steps, or eval.holdout: 0",
         )
-
-
-def check_weight_update(c: Checker) -> None:
-    """The distributed weight update needs every member on a known address: the trainer's
-    rank 0 is the group's master, which this version knows on the local launcher only."""
-    if not (c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.distributed):
-        return
-    launcher = c.cfg.launcher
-    if launcher.type != "local" and not (launcher.type == "ray" and not launcher.ray.address):
-        c.error(
-            "actor.weight_update.method",
-            f"distributed runs on one machine in this version (the local launcher, or a "
-            f"local Ray); launcher.type is {launcher.type}",
-            "use method: disk on a cluster",
-        )

@@ -12,7 +12,8 @@ The client keeps the transport (connections, retries, routing, restarts). A back
 reaches one server through a `Link` the client gives it, so a multi-call sequence (vLLM's
 weight update) lives in the backend's module while every HTTP exchange stays the client's.
 
-Standard library and config only: `areal serve` must start fast.
+Standard library, config and the weight group's wire protocol (no torch at import):
+`areal serve` must start fast.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, ClassVar, Protocol
 
 from areal_cli.config.checker import Checker
 from areal_cli.config.schema import DTYPES, ExperimentConfig, InferenceConfig, ParallelStrategy
+from areal_cli.rundir.weight_group import TORCH_GROUP
 
 Route = tuple[str, dict[str, Any]]  # (path, JSON body) of one POST
 
@@ -260,6 +262,7 @@ class InferenceBackend(ABC):
     # (actor.weight_update.method: distributed; the protocol is rundir.weight_group)
 
     distributed_updates: ClassVar[bool] = False  # whether it takes the group's routes
+    group_protocol: ClassVar[str] = TORCH_GROUP  # how its servers make the group
 
     async def join_weight_group(self, link: Link, body: dict[str, Any]) -> Any:
         """Join the weight-update group (SGLang's /init_weights_update_group body): the
@@ -267,9 +270,9 @@ class InferenceBackend(ABC):
         rendezvous, which a retry would not repeat but break."""
         raise NotImplementedError(f"{self.name} takes no distributed weight update")
 
-    async def receive_weights(self, link: Link, body: dict[str, Any]) -> Any:
-        """Receive one bucket (SGLang's /update_weights_from_distributed body); one
-        attempt, as for the join."""
+    async def receive_weights(self, link: Link, body: dict[str, Any], first: bool) -> Any:
+        """Receive one bucket (SGLang's /update_weights_from_distributed body; `first`: the
+        first bucket of a version); one attempt, as for the join."""
         raise NotImplementedError(f"{self.name} takes no distributed weight update")
 
     # ------------------------------------------------------------ colocation ('|')

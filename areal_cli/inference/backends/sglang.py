@@ -69,7 +69,7 @@ class SGLangRoutes(InferenceBackend):
     async def join_weight_group(self, link: Link, body: dict[str, Any]) -> Any:
         return await link.post_once("/init_weights_update_group", body)
 
-    async def receive_weights(self, link: Link, body: dict[str, Any]) -> Any:
+    async def receive_weights(self, link: Link, body: dict[str, Any], first: bool) -> Any:
         return await link.post_once("/update_weights_from_distributed", body)
 
     async def load_weights(self, link: Link, model_path: str, version: str | None) -> Any:

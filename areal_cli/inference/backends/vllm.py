@@ -15,6 +15,9 @@ logprobs and weight versions out, in SGLang's `/generate` shape. For a vLLM serv
                                spans SGLang's meta_info has.
   /update_weights_from_disk -> the steps below, on each server (`VLLM.load_weights`).
   /model_info               -> GET /weight_info ({"weight_version": ...}).
+  /init_weights_update_group, /update_weights_from_distributed
+                            -> vLLM's weight transfer (below, `VLLM.join_weight_group`
+                               and `VLLM.receive_weights`).
   /pause_generation         -> POST /pause?mode=...   /continue_generation -> POST /resume
   /abort_request (all)      -> POST /abort_requests {} (every request in flight)
 
@@ -38,6 +41,25 @@ weights, and the token where they changed starts a new weight_versions span):
      and a request longer than the interval between updates may never finish);
   3. /update_weight_version  labels the tokens sampled from now on (the spans);
   4. /resume, also when a step failed, so that no server is left paused.
+Receiving over the weight-update group (actor.weight_update.method: distributed; the
+server starts with --weight-transfer-config '{"backend": "nccl"}'). vLLM's NCCL engine
+makes its side of the group with vLLM's own StatelessProcessGroup and PyNccl, so the
+trainer's rank 0 joins with vLLM's trainer-side helper (trainer.weight_sender.VLLMGroup),
+never torch's group as for SGLang. The engine is asked unpacked (`packed: false`): each
+tensor is one NCCL broadcast, in the order of the bucket list, as the trainer sends them.
+  join   -> POST /shutdown_weight_transfer_engine (the group of a dead trainer, if any),
+            POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
+            rank_offset, world_size, packed}} (vLLM's NCCLWeightTransferInitInfo);
+  bucket -> the first of a version: POST /pause?mode=keep, POST /start_weight_update;
+            each: POST /update_weights {"update_info": {names, dtype_names, shapes}}
+            (vLLM's NCCLWeightTransferUpdateInfo); the last (it carries the version):
+            POST /finish_weight_update {"weight_version": K}, the prefix-cache reset of
+            a disk load, then POST /resume.
+vLLM loads each bucket into the model as it arrives (its layerwise reload), so the server
+stays paused from the first bucket to the last: no token is sampled from half a version.
+A bucket that fails leaves it paused; the trainer's next group sends the whole version
+again, and its last bucket resumes it (or the run stops, naming the server).
+
 Every token is labelled with the weights that sampled it. On this 2-core machine vLLM
 answered a control call (/pause, /weight_info) now and then only after 1.5-2 s, while
 it went on generating; the update then lands that much later, never mislabelled.
@@ -65,6 +87,7 @@ from areal_cli.inference.backends.base import (
     given,
     importable,
 )
+from areal_cli.rundir.weight_group import PYNCCL
 
 VLLM_MISSING = (
     "cannot import vllm with {python}; run make vllm (its own venv, .venv-vllm) and use "
@@ -79,6 +102,13 @@ RESUME = "/resume"
 ABORT_ALL = "/abort_requests"
 RESET_CACHE = "/reset_prefix_cache"
 RESET_CACHE_AND_RESTART = "/reset_prefix_cache?reset_running_requests=true"
+# its weight transfer (vLLM's entrypoints/rl/online/api_router.py)
+INIT_TRANSFER = "/init_weight_transfer_engine"
+SHUTDOWN_TRANSFER = "/shutdown_weight_transfer_engine"
+START_UPDATE = "/start_weight_update"
+UPDATE = "/update_weights"
+FINISH_UPDATE = "/finish_weight_update"
+TRANSFER_CONFIG = '{"backend": "nccl"}'  # --weight-transfer-config: vLLM's WeightTransferConfig
 
 # what vLLM labels the weights it started with; the run calls them version 0
 STARTING_VERSION = "default"
@@ -116,12 +146,7 @@ class VLLM(InferenceBackend):
             if missing:
                 (c.error if launch else c.warn)("inference.vllm.python", missing)
         if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.distributed:
-            c.error(
-                "actor.weight_update.method",
-                "the distributed weight update is not built for the vLLM backend yet "
-                "(its /init_weight_transfer_engine and /update_weights routes)",
-                "use method: disk with vllm, or the sglang or embedded backend",
-            )
+            self._check_distributed(c, launch)
         mode = c.result.allocation
         if mode is not None and mode.colocated and c.cfg.cluster.n_gpus_per_node == 0:
             c.error(
@@ -139,6 +164,25 @@ class VLLM(InferenceBackend):
                 "run it only on a network that only you reach",
             )
 
+    def _check_distributed(self, c: Checker, launch: bool) -> None:
+        """vLLM's weight transfer is NCCL (its CPU build has no engine for it), and the
+        trainer joins with vLLM's own helper, so the trainer's interpreter (this one)
+        must find vllm: an error before a launch, a warning for a plan."""
+        if c.cfg.cluster.n_gpus_per_node == 0:
+            c.error(
+                "actor.weight_update.method",
+                "vLLM receives weights over the network with NCCL only (its weight-transfer "
+                "engine), and this cluster has no GPU (cluster.n_gpus_per_node: 0)",
+                "use method: disk with vllm on a CPU, or the embedded backend (gloo)",
+            )
+        elif not importable(sys.executable, "vllm"):
+            (c.error if launch else c.warn)(
+                "actor.weight_update.method",
+                f"the trainer joins vLLM's weight-transfer group with vLLM's own helper, and "
+                f"the trainer's Python ({sys.executable}) cannot import vllm",
+                "pip install -e '.[vllm]' in the run's environment, or use method: disk",
+            )
+
     # ------------------------------------------------------------ command line
 
     def run_args(
@@ -154,6 +198,8 @@ class VLLM(InferenceBackend):
             device_type=spec.device_type,
             served_name=spec.served_name,
         )
+        if cfg.actor.weight_update.distributed:  # its NCCL engine: the routes below
+            args += ["--weight-transfer-config", TRANSFER_CONFIG]
         # colocated: /sleep and /wake_up hand the GPU to the trainer and back
         return [*args, "--enable-sleep-mode"] if spec.shared else args
 
@@ -216,6 +262,39 @@ class VLLM(InferenceBackend):
             return info
         return {**info, "weight_version": our_version(info.get("weight_version"))}
 
+    # ------------------------------------------------------------ the weight-update group
+
+    distributed_updates: ClassVar[bool] = True
+    group_protocol: ClassVar[str] = PYNCCL  # its own group (see the module docstring)
+
+    async def join_weight_group(self, link: Link, body: dict[str, Any]) -> Any:
+        """The join of the module docstring; `body` is SGLang's /init_weights_update_group."""
+        try:  # a group a dead trainer left behind; none is fine
+            await link.post_once(SHUTDOWN_TRANSFER, {})
+        except NoAnswer:
+            pass
+        failed = await _steps(link, [(INIT_TRANSFER, {"init_info": transfer_init_info(body)})])
+        return failed if failed is not None else {"success": True, "message": "joined"}
+
+    async def receive_weights(self, link: Link, body: dict[str, Any], first: bool) -> Any:
+        """One bucket, as the module docstring says; `body` is SGLang's
+        /update_weights_from_distributed (`weight_version` on the last bucket only)."""
+        version = body.get("weight_version")
+        steps = [(PAUSE_KEEP, {}), (START_UPDATE, {})] if first else []
+        steps.append((UPDATE, {"update_info": transfer_update_info(body)}))
+        if version is not None:
+            steps += [(FINISH_UPDATE, {"weight_version": str(version)}), (RESET_CACHE, {})]
+        failed = await _steps(link, steps)
+        if failed is not None:
+            return failed  # still paused: see the module docstring
+        if version is None:
+            return {"success": True, "message": f"received {len(body['names'])} tensors"}
+        resumed = await _steps(link, [(RESUME, {})])
+        if resumed is not None:
+            return resumed
+        info = await self.model_info(link)
+        return WENT_DOWN if info is WENT_DOWN else {"success": True, **info}
+
     async def load_weights(self, link: Link, model_path: str, version: str | None) -> Any:
         """The steps of the module docstring on one server. The server is paused with its
         requests kept around the load and always resumed after it."""
@@ -264,6 +343,22 @@ def weight_update(model_path: str, label: str) -> list[Route]:
         (RESET_CACHE, {}),
         ("/update_weight_version", {"new_version": label}),
     ]
+
+
+def transfer_init_info(body: Mapping[str, Any]) -> dict[str, Any]:
+    """SGLang's /init_weights_update_group body as vLLM's NCCLWeightTransferInitInfo."""
+    keys = ("master_address", "master_port", "rank_offset", "world_size")
+    return {**{k: body[k] for k in keys}, "packed": False}
+
+
+def transfer_update_info(body: Mapping[str, Any]) -> dict[str, Any]:
+    """SGLang's /update_weights_from_distributed body as vLLM's
+    NCCLWeightTransferUpdateInfo."""
+    return {
+        "names": list(body["names"]),
+        "dtype_names": list(body["dtypes"]),
+        "shapes": [list(s) for s in body["shapes"]],
+    }
 
 
 def folder_problem(model_path: str) -> str:
