@@ -18,9 +18,12 @@ the turns:
                memory, load vk (the weight sync), take back the KV cache's, and the gate
                opens.
 
-A server that dies during a training turn is started again only at the next rollout turn
-(`Phases.rollout_turn`, which ServerRecovery waits for): a server that starts takes its
-memory (weights, and on a GPU its KV cache's share) while the trainer holds the devices.
+A server that dies during a training turn is started again only once the trainer has
+given the devices back (`Phases.server_may_start`, which ServerRecovery polls): a server
+that starts takes its memory (weights, and on a GPU its KV cache's share), which the
+trainer holds while it steps. Waiting for the whole rollout turn instead would deadlock a
+run whose only server died: the turn begins with the load of the new version, and a load
+needs a server that is up.
 
 Each step's metrics line has `colocated` 1 and the handover's figures:
   phase_release_s       the calls in flight ending and the servers releasing (before k);
@@ -69,8 +72,7 @@ class Phases:
         self.client, self.trainer_idle, self.poll_s = client, trainer_idle, poll_s
         self.watcher = watcher
         self.released = False
-        self._rollout_turn = asyncio.Event()  # set while the servers hold the devices
-        self._rollout_turn.set()
+        self.training_turn = False  # from the handover to training until the next load
         self.figures: dict[int, dict[str, float]] = {}  # by step (= the version it makes)
 
     @classmethod
@@ -90,7 +92,7 @@ class Phases:
         """Batch `step` is complete and about to be written: hand the devices over."""
         start = time.perf_counter()
         await self.client.gate.hold()
-        self._rollout_turn.clear()  # from here no server starts (see the docstring)
+        self.training_turn = True  # from here no server starts (see the docstring)
         await self.client.release_memory()
         self.released = True
         self._add(step, "phase_release_s", time.perf_counter() - start)
@@ -118,12 +120,13 @@ class Phases:
             await self.client.resume_memory(["kv_cache"])
             self.released = False
             self._add(version, "phase_resume_s", time.perf_counter() - start)
-        self._rollout_turn.set()
+        self.training_turn = False
         self.client.gate.open()
 
-    async def rollout_turn(self) -> None:
-        """Return once the servers hold the devices (at once outside a training turn)."""
-        await self._rollout_turn.wait()
+    def server_may_start(self) -> bool:
+        """Whether a restarted server may start now: outside a training turn, or once the
+        trainer has given the devices back (see the module docstring)."""
+        return not self.training_turn or self.trainer_idle()
 
     def take(self, version: int) -> dict[str, float]:
         """The figures for the metrics line of step `version` (once)."""

@@ -50,17 +50,14 @@ class ServerRecovery:
         self.sync = sync
         self._down_at: dict[str, float] = {}  # when each server was taken down
 
-    async def may_start(self, check: Callable[[], None]) -> None:
-        """Return when a restarted server may start: at once, or in a colocated run at
-        the next rollout turn (rollout.phases); `check` raises if another process died
-        meanwhile."""
+    async def may_start(self, check: Callable[[], None], poll_s: float = 0.2) -> None:
+        """Return when a restarted server may start: at once, or in a colocated run once
+        the trainer does not hold the devices (rollout.phases); `check` raises if another
+        process died meanwhile."""
         phases = self.sync.phases if self.sync is not None else None
-        while phases is not None:
-            try:
-                await asyncio.wait_for(phases.rollout_turn(), timeout=0.5)
-                return
-            except asyncio.TimeoutError:
-                check()
+        while phases is not None and not phases.server_may_start():
+            check()
+            await asyncio.sleep(poll_s)
 
     def down(self, address: str) -> None:
         self._down_at[address] = time.monotonic()

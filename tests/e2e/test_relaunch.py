@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -73,9 +74,9 @@ def _server_pid(run_dir: Path) -> int:
     raise AssertionError("no server process")
 
 
-def _served_version(pid: int) -> int:
-    """The weight version a running embedded server reports (GET /model_info), found
-    through its command line (--port) and environment (AREAL_API_KEY)."""
+def _ask_server(pid: int, path: str) -> dict:
+    """GET `path` of a running embedded server, found through its command line (--port)
+    and environment (AREAL_API_KEY)."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
     port = argv[argv.index("--port") + 1]
     env = dict(
@@ -83,11 +84,24 @@ def _served_version(pid: int) -> int:
         for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
         if "=" in item
     )
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/model_info")
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
     if env.get("AREAL_API_KEY"):
         request.add_header("Authorization", f"Bearer {env['AREAL_API_KEY']}")
     with urllib.request.urlopen(request, timeout=30) as answer:
-        return int(json.loads(answer.read())["weight_version"])
+        return json.loads(answer.read())
+
+
+def _served_version(pid: int) -> int:
+    """The weight version a running embedded server reports (GET /model_info)."""
+    return int(_ask_server(pid, "/model_info")["weight_version"])
+
+
+def _when_released(pid: int, timeout_s: float = 60) -> None:
+    """Return once a colocated server has released its memory (a training turn)."""
+    deadline = time.monotonic() + timeout_s
+    while not _ask_server(pid, "/server_info").get("memory_released"):
+        assert time.monotonic() < deadline, "the server never released its memory"
+        time.sleep(0.005)
 
 
 LAYOUTS = {
@@ -117,6 +131,8 @@ def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path, l
         # written may not be loaded yet, and a restart loads what the live servers hold
         pid = _server_pid(run_dir)
         held = _served_version(pid)
+        if layout == "colocated":  # in a training turn: it restarts once the trainer gave back
+            _when_released(pid)
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=400)
     finally:

@@ -185,39 +185,41 @@ def test_the_handover_releases_before_the_batch_and_resumes_around_the_load(
     assert kinds[-1] == "generate"  # the held request went out after the handover
 
 
-def test_a_server_that_died_while_the_trainer_steps_starts_at_the_next_rollout_turn(
+def test_a_server_that_died_while_the_trainer_steps_starts_once_it_gave_back(
     tmp_path: Path,
 ) -> None:
-    """ServerRecovery.may_start (what the restart waits for) holds during a training
-    turn, asks `check` meanwhile (another death stops the wait), and returns once the
-    servers hold the devices again."""
+    """ServerRecovery.may_start (what a restart waits for) holds while the trainer holds
+    the devices in a training turn, asks `check` meanwhile (another death stops the
+    wait), and returns once the trainer gave them back, before the next load (which needs
+    a live server: waiting for the load would deadlock a run whose only server died)."""
     from areal_cli.rollout.recovery import ServerRecovery
 
     log: list[tuple[str, str, Any]] = []
     checks: list[int] = []
+    trainer_busy = True
 
     async def test() -> None:
+        nonlocal trainer_busy
         async with colocated_servers(1, log) as client:
-            trainer_busy = True
             phases = Phases(client, lambda: not trainer_busy, poll_s=0.005)
             sync = WeightSync(client, RunDir(tmp_path).weights, LoopState(0, 1), phases)
             recovery = ServerRecovery(client, RunDir(tmp_path).weights, sync.state, 30, sync)
             await recovery.may_start(lambda: checks.append(1))  # a rollout turn: at once
             await phases.to_training(1)
-            start = asyncio.ensure_future(recovery.may_start(lambda: checks.append(1)))
-            publish(tmp_path, 1)
-            await asyncio.sleep(0.6)
+            start = asyncio.ensure_future(recovery.may_start(lambda: checks.append(1), 0.01))
+            await asyncio.sleep(0.2)
             assert not start.done() and checks  # the trainer holds the devices
-            trainer_busy = False
-            assert await sync.load_newest()
+            trainer_busy = False  # it published v1 and gave them back; nothing loaded yet
             await asyncio.wait_for(start, 5)
+            assert sync.state.version == 0
 
             def died() -> None:
                 raise RuntimeError("trainer died")
 
+            trainer_busy = True
             await phases.to_training(2)
             with pytest.raises(RuntimeError, match="trainer died"):
-                await recovery.may_start(died)
+                await recovery.may_start(died, 0.01)
 
     asyncio.run(asyncio.wait_for(test(), 30))
 
