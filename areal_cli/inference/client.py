@@ -394,6 +394,10 @@ class InferenceClient:
         pairs = await self._on_live(lambda s: self.backend.release_memory(_Link(self, s)))
         return [answer for _, answer in pairs]
 
+    async def release_memory_on(self, address: str) -> Any:
+        """Colocated: one server (a restarted one, still down) gives its memory back."""
+        return await self.backend.release_memory(_Link(self, self._server(address)))
+
     async def resume_memory(self, tags: list[str]) -> list[Any]:
         """Colocated: every server takes back the memory of `tags`."""
         pairs = await self._on_live(lambda s: self.backend.resume_memory(_Link(self, s), tags))

@@ -23,7 +23,9 @@ given the devices back (`Phases.server_may_start`, which ServerRecovery polls): 
 that starts takes its memory (weights, and on a GPU its KV cache's share), which the
 trainer holds while it steps. Waiting for the whole rollout turn instead would deadlock a
 run whose only server died: the turn begins with the load of the new version, and a load
-needs a server that is up.
+needs a server that is up. A restarted server that comes back inside a training turn
+(the handover skipped it: it was down) releases its memory before it takes traffic again
+(ServerRecovery), so the next load resumes it with the others.
 
 Each step's metrics line has `colocated` 1 and the handover's figures:
   phase_release_s       the calls in flight ending and the servers releasing (before k);

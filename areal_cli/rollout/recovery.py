@@ -59,6 +59,15 @@ class ServerRecovery:
             check()
             await asyncio.sleep(poll_s)
 
+    async def _match_the_turn(self, address: str) -> None:
+        """Colocated: a restarted server that comes back inside a training turn (the
+        handover released the others without it, as it was down) releases its memory
+        too, so the next load resumes it with the others. Nothing awaits between this and
+        `set_up`, so a handover cannot slip in between."""
+        phases = self.sync.phases if self.sync is not None else None
+        if phases is not None and phases.training_turn:
+            await self.client.release_memory_on(address)
+
     def down(self, address: str) -> None:
         self._down_at[address] = time.monotonic()
         self.client.set_down(address)
@@ -94,5 +103,6 @@ class ServerRecovery:
                         f"after loading v{entry.version} on its restart"
                     )
                 version = entry.version
+            await self._match_the_turn(address)
             client.set_up(address)
         return version

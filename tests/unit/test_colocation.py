@@ -224,6 +224,30 @@ def test_a_server_that_died_while_the_trainer_steps_starts_once_it_gave_back(
     asyncio.run(asyncio.wait_for(test(), 30))
 
 
+def test_a_server_back_inside_a_training_turn_releases_like_the_others(tmp_path: Path) -> None:
+    """The handover released the live servers; one that comes back before the next load
+    releases too (ServerRecovery._match_the_turn), and outside a training turn it does not."""
+    from areal_cli.rollout.recovery import ServerRecovery
+
+    log: list[tuple[str, str, Any]] = []
+
+    async def test() -> None:
+        async with colocated_servers(2, log) as client:
+            phases = Phases(client, lambda: True, poll_s=0.005)
+            sync = WeightSync(client, RunDir(tmp_path).weights, LoopState(0, 1), phases)
+            recovery = ServerRecovery(client, RunDir(tmp_path).weights, sync.state, 30, sync)
+            back = client.servers[1].address
+            await recovery._match_the_turn(back)  # a rollout turn: nothing to give back
+            assert not log
+            client.set_down(back)
+            await phases.to_training(1)  # releases s0 only: s1 is down
+            await recovery._match_the_turn(back)
+            client.set_up(back)
+
+    asyncio.run(asyncio.wait_for(test(), 30))
+    assert [(name, what) for name, what, _ in log] == [("s0", "release"), ("s1", "release")]
+
+
 def test_the_trainer_gives_back_when_every_rank_says_so(tmp_path: Path) -> None:
     assert trainer_gave_back(tmp_path)  # no rank has started
     ranks = [Heartbeat(tmp_path, f"trainer-{r}") for r in range(2)]
