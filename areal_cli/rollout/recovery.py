@@ -69,6 +69,8 @@ class ServerRecovery:
             await self.client.release_memory_on(address)
 
     def down(self, address: str) -> None:
+        if isinstance(self.sync, GroupSync):
+            self.sync.member_lost()
         self._down_at[address] = time.monotonic()
         self.client.set_down(address)
 

@@ -40,7 +40,14 @@ from areal_cli.rollout.errors import RunFailed
 from areal_cli.rollout.state import LoopState
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import VERSION_PREFIX
-from areal_cli.rundir.weight_group import GroupSpec, announced_group, group_token, update_body
+from areal_cli.rundir.weight_group import (
+    Announced,
+    GroupSpec,
+    announced_group,
+    group_token,
+    mark_left,
+    update_body,
+)
 
 if TYPE_CHECKING:
     from areal_cli.inference.client import InferenceClient
@@ -164,9 +171,9 @@ class GroupSync(WeightSync):
             await self._new_version.wait_for(lambda: self._received.get(address, 0.0) > since)
 
     async def load_newest(self) -> bool:
-        token, master = announced_group(self.weights_dir)
-        if token and token != self.token:
-            await self._join(token, master)
+        group = announced_group(self.weights_dir)
+        if group.token and group.token != self.token:
+            await self._join(group)
             return True
         entry = self._next_entry()
         if entry is None:
@@ -209,10 +216,16 @@ class GroupSync(WeightSync):
                 return entry
         return None
 
-    async def _join(self, token: str, master: str) -> None:
-        """Every server joins the group announced with `token`, whose store the trainer's
-        rank 0 said is at `master` (a restarting server once it answers /health: the
-        group counts it)."""
+    def member_lost(self) -> None:
+        """A server of the current group died (ServerRecovery.down): tell the trainer,
+        whose send to it may otherwise wait out the timeout (rundir.weight_group)."""
+        if self.token:
+            mark_left(self.weights_dir, self.token)
+
+    async def _join(self, group: Announced) -> None:
+        """Every server joins the group the trainer's rank 0 announced, at the address and
+        port it gave (a restarting server once it answers /health: the group counts it)."""
+        token = group.token
         deadline = time.monotonic() + self.startup_timeout_s
         for address in self.group.ranks:
             while not await self.client.healthy(address):
@@ -224,7 +237,11 @@ class GroupSync(WeightSync):
                 await asyncio.sleep(0.2)
         from areal_cli.inference.client import WeightUpdateFailed
 
-        spec = replace(self.group.spec, master_address=master or self.group.spec.master_address)
+        spec = replace(
+            self.group.spec,
+            master_address=group.master_address or self.group.spec.master_address,
+            master_port=group.master_port or self.group.spec.master_port,
+        )
         bodies = {address: spec.init_body(rank) for address, rank in self.group.ranks.items()}
         try:
             await self.client.join_weight_group(bodies)

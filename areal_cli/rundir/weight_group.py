@@ -41,6 +41,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 GROUP_NAME = "areal_weight_update"
 METHOD = "distributed"
 GROUP_FILE = "group.json"  # RUN/weights/group.json: the trainer's newest group, by token
+LEFT_PREFIX = ".left-"  # RUN/weights/.left-TOKEN: a member of that group died (mark_left)
 
 # How the members make the group, by `GroupSpec.protocol`, as --dry-run says it. Each
 # backend names its own (InferenceBackend.group_protocol).
@@ -135,30 +137,62 @@ def update_body(
     }
 
 
-def announce_group(weights_dir: Path, token: str, master_address: str) -> None:
+def announce_group(weights_dir: Path, token: str, master_address: str, master_port: int) -> None:
     """The trainer's rank 0 forms a group: RUN/weights/group.json takes `token` and the
-    address its store listens on (written to a temp file and renamed into place)."""
+    address and port its store listens on (written to a temp file and renamed into
+    place)."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     path = weights_dir / GROUP_FILE
     tmp = path.with_name(f".{GROUP_FILE}.{os.getpid()}.tmp")
-    record = {"token": token, "master_address": master_address, "created": time.time()}
+    record = {
+        "token": token,
+        "master_address": master_address,
+        "master_port": master_port,
+        "created": time.time(),
+    }
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 
-def announced_group(weights_dir: Path) -> tuple[str, str]:
-    """The trainer's newest group: its token and where its store listens (the trainer's
-    rank 0), read together; ('', '') before the first."""
+@dataclass(frozen=True)
+class Announced:
+    """The trainer's newest group as RUN/weights/group.json says it ('' and 0 before the
+    first)."""
+
+    token: str = ""
+    master_address: str = ""
+    master_port: int = 0
+
+
+def announced_group(weights_dir: Path) -> Announced:
+    """The trainer's newest group, read at once."""
     try:
         record = json.loads((weights_dir / GROUP_FILE).read_text())
-        return str(record["token"]), str(record.get("master_address") or "")
+        return Announced(
+            str(record["token"]),
+            str(record.get("master_address") or ""),
+            int(record.get("master_port") or 0),
+        )
     except (OSError, ValueError, KeyError, TypeError):
-        return "", ""
+        return Announced()
+
+
+def mark_left(weights_dir: Path, token: str) -> None:
+    """The controller saw a member of group `token` die: the trainer's rank 0 stops
+    waiting on its sends there (`Group.broadcast`). gloo does not notice a receiver that
+    dies in the middle of a send (the send then waits out the timeout); the controller,
+    which restarts the server, does."""
+    (weights_dir / f"{LEFT_PREFIX}{token}").touch()
+
+
+def member_left(weights_dir: Path, token: str) -> bool:
+    """Whether the controller said a member of group `token` died."""
+    return (weights_dir / f"{LEFT_PREFIX}{token}").exists()
 
 
 def group_token(weights_dir: Path) -> str:
     """The token of the trainer's newest group ('' before the first)."""
-    return announced_group(weights_dir)[0]
+    return announced_group(weights_dir).token
 
 
 def own_address(toward: str) -> str:
@@ -178,15 +212,27 @@ def own_address(toward: str) -> str:
         return toward
 
 
+_ABORTED: list[Any] = []  # aborted groups and their stores (Group.abort)
+
+
 class Group:
     """This process's membership of the group (rank 0 hosts the store)."""
 
-    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        device: torch.device | None = None,
+        on_store: Callable[[int], None] | None = None,
+    ) -> None:
+        """Rank 0 hosts the store (on a free port when the spec's is 0) and calls
+        `on_store(port)` before it waits for the others."""
         import torch
         import torch.distributed as dist
 
         self.spec, self.rank = spec, rank
         self.device = device or torch.device("cpu")
+        self.aborted = False
         timeout = timedelta(seconds=spec.timeout_s)
         self._store = dist.TCPStore(
             spec.master_address,
@@ -196,6 +242,8 @@ class Group:
             timeout=timeout,
             wait_for_workers=False,
         )
+        if on_store is not None:
+            on_store(self._store.port)
         # the keys torch's own group helper uses (GROUP/DEVICE/...), as SGLang's servers
         # make their side of the group with it
         device_type = "cuda" if spec.backend == "nccl" else "cpu"
@@ -209,10 +257,14 @@ class Group:
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
 
-    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+    def broadcast(
+        self, tensors: list[torch.Tensor], member_left: Callable[[], bool] | None = None
+    ) -> None:
         """Rank 0 sends `tensors`; every other rank receives into them: one broadcast per
         tensor, all issued at once and then waited for (the group's threads carry several
-        at a time, as SGLang's receiver issues them), in the same order on every rank."""
+        at a time, as SGLang's receiver issues them), in the same order on every rank.
+        While it waits, `member_left()` says whether a member died: then the group is
+        aborted and this raises (see `mark_left`)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
@@ -220,11 +272,30 @@ class Group:
         opts.rootTensor = 0
         opts.timeout = timedelta(seconds=self.spec.timeout_s)
         works = [self.pg.broadcast([tensor], opts) for tensor in tensors]
+        if member_left is not None:
+            pause = 0.0005
+            while not all(work.is_completed() for work in works):
+                if member_left():
+                    self.abort()
+                    raise RuntimeError("a member of the group died during the send")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
         for work in works:
-            work.wait()
+            work.wait()  # raises the error of a failed one
+
+    def abort(self) -> None:
+        """Give up the group with sends in flight. The aborted group is kept referenced:
+        its destructor would wait for those sends to time out, and its store keeps its
+        port, so the next group takes another (WeightSender)."""
+        self.pg.abort()
+        _ABORTED.append((self.pg, self._store))
+        self.aborted = True
 
     def close(self) -> None:
         """Leave the group (the store closes with the last reference)."""
+        if self.aborted:
+            self.pg = self._store = None
+            return
         try:
             self.pg.shutdown()  # type: ignore[attr-defined]
         except (AttributeError, RuntimeError):

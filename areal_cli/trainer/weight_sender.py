@@ -24,6 +24,7 @@ import dataclasses
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from areal_cli.rundir.weight_group import (
     announce_group,
     buckets,
     dtype_name,
+    member_left,
     own_address,
 )
 
@@ -66,25 +68,39 @@ class WeightSender:
         self.spec, self.weights_dir, self.bucket_bytes = spec, weights_dir, bucket_bytes
         self.group: Group | VLLMGroup | None = None
         self.token = ""
+        self.groups = 0  # formed so far: the first takes the plan's port, later ones a free one
 
     def join(self) -> None:
         """Rank 0: announce a new group and wait until every server is in it."""
         if dist.get_rank() != 0:
             return
-        self.token = secrets.token_hex(6)
+        self.token = token = secrets.token_hex(6)
         address = own_address(self.spec.master_address)
-        announce_group(self.weights_dir, self.token, address)
+        # its store is here; a group formed again takes a free port: the store of one
+        # aborted with sends in flight keeps its port (Group.abort)
+        port = self.spec.master_port if self.groups == 0 else 0
+        here = dataclasses.replace(self.spec, master_address=address, master_port=port)
+        self.groups += 1
         start = time.perf_counter()
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.spec.backend == "nccl"
             else None
         )
-        here = dataclasses.replace(self.spec, master_address=address)  # its store is here
-        self.group = VLLMGroup(here) if here.protocol == PYNCCL else Group(here, 0, device)
+        ports: list[int] = []
+
+        def announce(port: int) -> None:
+            ports.append(port)
+            announce_group(self.weights_dir, token, address, port)
+
+        if here.protocol == PYNCCL:
+            announce(here.master_port)
+            self.group = VLLMGroup(here)
+        else:
+            self.group = Group(here, 0, device, on_store=announce)
         print(
             f"[trainer] weight-update group {self.token}: {self.spec.world_size} members on "
-            f"{address}:{self.spec.master_port} ({self.spec.backend}), joined in "
+            f"{address}:{ports[0]} ({self.spec.backend}), joined in "
             f"{time.perf_counter() - start:.2f}s",
             flush=True,
         )
@@ -139,11 +155,15 @@ class WeightSender:
                 continue
             try:
                 assert self.group is not None
-                self.group.broadcast(gathered)
+                self.group.broadcast(gathered, self._member_left)
             except Exception as exc:  # a server died, or the collective timed out
                 failure = f"sending bucket {n + 1} of {len(plan)} of v{version} failed: {_why(exc)}"
                 self.close()
         return failure
+
+    def _member_left(self) -> bool:
+        """Whether the controller saw a server of the current group die."""
+        return member_left(self.weights_dir, self.token)
 
     def close(self) -> None:
         if self.group is not None:
@@ -176,7 +196,9 @@ class VLLMGroup:
         self.comm: Any = trainer_init(rendezvous, rank=0)
         self.stuck = False
 
-    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+    def broadcast(
+        self, tensors: list[torch.Tensor], member_left: Callable[[], bool] | None = None
+    ) -> None:
         import threading
 
         stream = torch.cuda.current_stream()

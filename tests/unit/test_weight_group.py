@@ -136,7 +136,14 @@ def test_under_slurm_rank_0_says_where_the_group_meets(tmp_path: Path) -> None:
     the trainer's command line); torchrun's rendezvous may put rank 0 on another node, so
     rank 0 announces its own address with the group, and the controller uses that."""
     from areal_cli.launch.plan import HEAD_NODE
-    from areal_cli.rundir.weight_group import announce_group, announced_group, own_address
+    from areal_cli.rundir.weight_group import (
+        Announced,
+        announce_group,
+        announced_group,
+        mark_left,
+        member_left,
+        own_address,
+    )
 
     plan = _plan(
         "actor.weight_update.method=distributed",
@@ -147,9 +154,12 @@ def test_under_slurm_rank_0_says_where_the_group_meets(tmp_path: Path) -> None:
     assert plan.weight_group["master_address"] == HEAD_NODE
     trainer = next(p for p in plan.processes if p.name == "trainer")
     assert HEAD_NODE in trainer.argv[trainer.argv.index("--weight-group") + 1]
-    assert announced_group(tmp_path) == ("", "")
-    announce_group(tmp_path, "t1", own_address("127.0.0.1"))
-    assert announced_group(tmp_path) == ("t1", "127.0.0.1")
+    assert announced_group(tmp_path) == Announced()
+    announce_group(tmp_path, "t1", own_address("127.0.0.1"), 29700)
+    assert announced_group(tmp_path) == Announced("t1", "127.0.0.1", 29700)
+    assert not member_left(tmp_path, "t1")
+    mark_left(tmp_path, "t1")  # the controller saw a member die
+    assert member_left(tmp_path, "t1") and not member_left(tmp_path, "t2")
 
 
 def test_dry_run_shows_the_group() -> None:
