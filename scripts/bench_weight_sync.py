@@ -135,7 +135,9 @@ def measure(model: Path, n_servers: int, method: str, versions: int) -> dict[str
         if method == "distributed":
             group = GroupSpec("127.0.0.1", free_port(), 1 + n_servers, "gloo", 300.0).to_json()
         torchrun = str(Path(sys.executable).parent / "torchrun")
-        argv = [torchrun, "--standalone", "--nproc-per-node", "1", __file__, "--probe",
+        # --log-dir inside the temp folder: torchrun's default leaves /tmp/torchelastic_*
+        argv = [torchrun, "--standalone", "--nproc-per-node", "1", "--log-dir",
+                f"{tmp}/torchrun", __file__, "--probe",
                 "--model", str(model), "--weights", str(weights), "--versions", str(versions)]  # fmt: skip
         if group:
             argv += ["--group", json.dumps(group)]
