@@ -233,10 +233,10 @@ def build_plan(
 def _weight_group(
     cfg: ExperimentConfig, mode: AllocationMode, ports: Ports, device_type: str
 ) -> GroupSpec | None:
-    """The weight-update group of method distributed: the trainer's rank 0 (its master:
-    HEAD_NODE under a cluster launcher, the trainer's first node, which the runner
-    resolves for the trainer's command line and for the controller) and every server's
-    ranks."""
+    """The weight-update group of method distributed: the trainer's rank 0 and every
+    server's ranks. Its master here is where the trainer starts (HEAD_NODE under a cluster
+    launcher, which the runner fills into the trainer's command line); rank 0 announces
+    where its store really listens (rundir.weight_group)."""
     if not (cfg.actor.weight_update.distributed and ports.weight_group) or mode.inference is None:
         return None
     return GroupSpec(

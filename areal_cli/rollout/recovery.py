@@ -31,6 +31,7 @@ from areal_cli.rundir.paths import VERSION_PREFIX
 
 if TYPE_CHECKING:
     from areal_cli.inference.client import InferenceClient
+    from areal_cli.rollout.phases import Phases
 
 
 class ServerRecovery:
@@ -50,11 +51,16 @@ class ServerRecovery:
         self.sync = sync
         self._down_at: dict[str, float] = {}  # when each server was taken down
 
+    @property
+    def _phases(self) -> Phases | None:
+        """A colocated run's turns (rollout.phases), else None."""
+        return self.sync.phases if self.sync is not None else None
+
     async def may_start(self, check: Callable[[], None], poll_s: float = 0.2) -> None:
         """Return when a restarted server may start: at once, or in a colocated run once
         the trainer does not hold the devices (rollout.phases); `check` raises if another
         process died meanwhile."""
-        phases = self.sync.phases if self.sync is not None else None
+        phases = self._phases
         while phases is not None and not phases.server_may_start():
             check()
             await asyncio.sleep(poll_s)
@@ -64,7 +70,7 @@ class ServerRecovery:
         handover released the others without it, as it was down) releases its memory
         too, so the next load resumes it with the others. Nothing awaits between this and
         `set_up`, so a handover cannot slip in between."""
-        phases = self.sync.phases if self.sync is not None else None
+        phases = self._phases
         if phases is not None and phases.training_turn:
             await self.client.release_memory_on(address)
 

@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from areal_cli.rundir.handoff import write_json_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +79,7 @@ class GroupSpec:
     group_name: str = GROUP_NAME
     # how the members make the group (PROTOCOLS): TORCH_GROUP (below: SGLang's servers and
     # the embedded one) or PYNCCL (vLLM's NCCL weight-transfer engine)
-    protocol: str = "torch"
+    protocol: str = TORCH_GROUP
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,16 +143,13 @@ def announce_group(weights_dir: Path, token: str, master_address: str, master_po
     address and port its store listens on (written to a temp file and renamed into
     place)."""
     weights_dir.mkdir(parents=True, exist_ok=True)
-    path = weights_dir / GROUP_FILE
-    tmp = path.with_name(f".{GROUP_FILE}.{os.getpid()}.tmp")
     record = {
         "token": token,
         "master_address": master_address,
         "master_port": master_port,
         "created": time.time(),
     }
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_json_atomic(weights_dir / GROUP_FILE, record)
 
 
 @dataclass(frozen=True)

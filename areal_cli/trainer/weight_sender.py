@@ -76,9 +76,12 @@ class WeightSender:
             return
         self.token = token = secrets.token_hex(6)
         address = own_address(self.spec.master_address)
-        # its store is here; a group formed again takes a free port: the store of one
-        # aborted with sends in flight keeps its port (Group.abort)
-        port = self.spec.master_port if self.groups == 0 else 0
+        # its store is here; a torch group formed again takes a free port (0: the store
+        # picks one), since one aborted with sends in flight keeps its port (Group.abort).
+        # vLLM's helper needs the port itself, and its group is never aborted: a stuck one
+        # fails the next join, and the trainer's relaunch sets the group up again.
+        again = self.groups > 0 and self.spec.protocol != PYNCCL
+        port = 0 if again else self.spec.master_port
         here = dataclasses.replace(self.spec, master_address=address, master_port=port)
         self.groups += 1
         start = time.perf_counter()
