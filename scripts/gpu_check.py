@@ -1,4 +1,4 @@
-"""Usage: python scripts/gpu_check.py [--cpu] [--out DIR] [--steps 24]
+"""Usage: python scripts/gpu_check.py [--cpu] [--out DIR] [--steps 24] [--only ppo,serve]
        (or bash scripts/gpu_check.sh [--cpu], which sets up the environment first)
 
 The checks to run the moment a machine with one NVIDIA GPU is lent (torch with CUDA,
@@ -16,8 +16,20 @@ instead of nccl), which CI does (tests/e2e/test_gpu_check.py), so the script can
               on the device, learning: last-5 reward and seconds per step (on the GPU
               with bf16 compute, so that the trainer's FSDP2 shards are what it offloads
               between steps);
+  ppo         the PPO recipe (actor and critic) colocated on the device: 2 steps with a
+              recover entry after each, --resume to 4 from recover/step-2 (DCP of the
+              device's shards), then convert-checkpoint of recover/step-4 to HF --verify;
+  supervised  the SFT and reward-model recipes, 4 steps each, with held-out metrics;
+  eval        areal eval of the demo's initial model (its servers on the device);
+  serve       areal serve of builtin:tiny-arith (on the GPU when there is one): one
+              /generate with logprobs against transformers on the same device;
+  memory      the embedded engine's release and resume of its memory: on a GPU
+              torch.cuda.memory_allocated falls by at least the weights and KV cache and
+              comes back, and a seeded request gives the same tokens after;
   throughput  builtin:small: the embedded engine's generation tokens/s (32 requests of
               64 tokens at once) and the trainer's step time (one rank, 3 steps).
+On a GPU every trainer computes in bf16 (FSDP2 then wraps even one rank, on NCCL), and
+every check that can runs on the device; --only picks checks (a rerun of what failed).
 
 It prints one summary table; the exit code is 1 if any check failed.
 """
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -123,24 +136,51 @@ def check_engine(work: Path, device: str) -> list[Row]:
     ]
 
 
-def check_colocated(work: Path, device: str, steps: int) -> list[Row]:
-    overrides = [
-        f"cluster.fileroot={work / 'runs'}", f"total_train_steps={steps}",
-        "logging.display=plain", "logging.tensorboard=false",
-    ]  # fmt: skip
-    if device == "cuda":  # bf16 compute wraps the one rank in FSDP2: its offload is checked
-        overrides += ["cluster.n_gpus_per_node=1", "inference.embedded.device=cuda"]
-        overrides += ["actor.fsdp.param_dtype=bfloat16", "actor.fsdp.reduce_dtype=float32"]
-    argv = [sys.executable, "-m", "areal_cli.cli", "train", "recipes/tiny_cpu_colocated.yaml"]
-    start = time.time()
+def _areal(work: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`areal ARGS` (the real CLI, in this repository); raises with its output's tail when
+    it fails."""
+    argv = [sys.executable, "-m", "areal_cli.cli", *args]
     done = subprocess.run(
-        argv + overrides, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+        argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    (work / f"areal-{args[0]}-{len(list(work.glob('areal-*.log')))}.log").write_text(
+        done.stdout + done.stderr
     )
     if done.returncode != 0:
-        raise RuntimeError(f"areal train failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    (metrics,) = (work / "runs").glob("*/*/metrics.jsonl")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    rows = [r for r in rows if "reward_mean" in r]
+        raise RuntimeError(
+            f"areal {' '.join(args[:2])} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return done
+
+
+def _run_overrides(work: Path, device: str, trial: str) -> list[str]:
+    """Where a check's run writes, and on a GPU the device settings: the trainer on
+    NCCL with bf16 compute (FSDP2 then wraps even one rank, so its state is DTensor
+    shards on the GPU), the embedded server on the GPU."""
+    out = [
+        f"cluster.fileroot={work / 'runs'}", f"trial_name={trial}",
+        "logging.display=plain", "logging.tensorboard=false",
+    ]  # fmt: skip
+    if device == "cuda":
+        out += ["cluster.n_gpus_per_node=1", "inference.embedded.device=cuda"]
+        out += ["actor.fsdp.param_dtype=bfloat16", "actor.fsdp.reduce_dtype=float32"]
+    return out
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """The trainer's step rows of a run's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in (json.loads(line) for line in lines if line) if r.get("kind") != "eval"]
+
+
+def check_colocated(work: Path, device: str, steps: int) -> list[Row]:
+    start = time.time()
+    _areal(
+        work, "train", "recipes/tiny_cpu_colocated.yaml", f"total_train_steps={steps}",
+        *_run_overrides(work, device, "colocated"),
+    )  # fmt: skip
+    (run_dir,) = (work / "runs").glob("*/colocated")
+    rows = [r for r in _rows(run_dir) if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows]
     last5 = statistics.fmean(rewards[-5:])
     step_s = (rows[-1]["time"] - rows[0]["time"]) / max(1, len(rows) - 1)
@@ -152,6 +192,217 @@ def check_colocated(work: Path, device: str, steps: int) -> list[Row]:
             colocated and len(rows) == steps and last5 >= target,
             f"{steps} steps, reward {rewards[0]:.3f} -> last-5 {last5:.3f}, "
             f"{step_s:.3f} s/step, {time.time() - start:.0f} s in all",
+        )
+    ]
+
+
+def check_ppo_resume(work: Path, device: str) -> list[Row]:
+    """The PPO recipe (actor and critic) colocated on the one device: 2 steps with a
+    recover entry after each, then --resume to 4 steps from recover/step-2 (DCP of the
+    device's shards, both models), then the last entry converted to HF with --verify."""
+    args = [
+        "recipes/tiny_ppo.yaml", "allocation_mode=embedded:d1|fsdp:d1",
+        "rollout.max_staleness=0", "recover.freq_steps=1", *_run_overrides(work, device, "ppo"),
+    ]  # fmt: skip
+    _areal(work, "train", *args, "total_train_steps=2")
+    resumed = _areal(work, "train", *args, "total_train_steps=4", "--resume")
+    (run_dir,) = (work / "runs").glob("*/ppo")
+    rows = _rows(run_dir)
+    steps = [r["step"] for r in rows]
+    values = [r["value_loss"] for r in rows if "value_loss" in r]
+    said = "from recover/step-2" in resumed.stdout
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    reloaded = "resumed from" in trainer_log and "recover/step-2" in trainer_log
+    ppo_ok = steps == [1, 2, 3, 4] and len(values) == 4 and all(map(math.isfinite, values))
+    start = time.perf_counter()
+    converted = _areal(
+        work, "convert-checkpoint", str(run_dir / "recover" / "step-4"), str(work / "hf"),
+        "--to", "hf", "--verify",
+    )  # fmt: skip
+    said_verify = [
+        line for line in (converted.stdout + converted.stderr).splitlines() if "verify:" in line
+    ]
+    return [
+        (
+            "ppo critic: 2 steps, then --resume to 4 (DCP)",
+            ppo_ok and said and reloaded,
+            f"steps {steps}, value_loss {values[0]:.3f} -> {values[-1]:.3f}, "
+            f"resumed from recover/step-2: {said and reloaded}",
+        ),
+        (
+            "convert-checkpoint recover/step-4 -> hf --verify",
+            bool(said_verify) and (work / "hf" / "config.json").is_file(),
+            f"{time.perf_counter() - start:.1f}s; "
+            + (said_verify[0].removeprefix("verify: ")[:110] if said_verify else "no verdict"),
+        ),
+    ]
+
+
+def check_supervised(work: Path, device: str) -> list[Row]:
+    """SFT and the reward model, 4 steps each, with their held-out metrics."""
+    _areal(
+        work, "train", "recipes/tiny_sft.yaml", "total_train_steps=4", "sft.eval_freq_steps=4",
+        *_run_overrides(work, device, "sft"),
+    )  # fmt: skip
+    _areal(
+        work, "train", "recipes/tiny_rm.yaml", "total_train_steps=4", "rm.eval_freq_steps=4",
+        *_run_overrides(work, device, "rm"),
+    )  # fmt: skip
+    (sft_dir,) = (work / "runs").glob("*/sft")
+    (rm_dir,) = (work / "runs").glob("*/rm")
+    sft, rm = _rows(sft_dir), _rows(rm_dir)
+    before, after = sft[0]["eval_loss_initial"], sft[-1]["eval_loss"]
+    accuracy = rm[-1]["eval_accuracy"]
+    return [
+        (
+            "sft: 4 steps",
+            len(sft) == 4 and math.isfinite(after) and after < before,
+            f"held-out loss {before:.3f} -> {after:.3f}",
+        ),
+        (
+            "reward model: 4 steps",
+            len(rm) == 4 and all(math.isfinite(r["loss"]) for r in rm),
+            f"loss {rm[0]['loss']:.3f} -> {rm[-1]['loss']:.3f}, held-out accuracy {accuracy:.3f}",
+        ),
+    ]
+
+
+def check_eval(work: Path, device: str) -> list[Row]:
+    """areal eval of the demo's initial model on the device (50 prompts, 4 samples)."""
+    out = work / "eval"
+    overrides = _run_overrides(work, device, "eval")
+    _areal(
+        work, "eval", "recipes/tiny_cpu.yaml", "eval.max_prompts=50", "eval.n_samples=4",
+        *overrides, "--out", str(out),
+    )  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    return [
+        (
+            "areal eval: builtin:tiny-arith",
+            summary["n_samples"] == 200 and 0.1 < summary["accuracy"] < 0.6,
+            f"accuracy {summary['accuracy']:.3f} over {summary['n_samples']} samples "
+            f"(about 0.32 on the CPU), {summary['elapsed_s']:.1f}s",
+        )
+    ]
+
+
+def check_serve(work: Path, device: str) -> list[Row]:
+    """areal serve of builtin:tiny-arith (it takes the GPU when there is one): one
+    /generate with logprobs, against a teacher-forced transformers forward pass."""
+    import signal
+    import urllib.request
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_cli.launch.builtins import cached
+    from areal_cli.launch.ports import free_port
+
+    port = free_port()
+    log = work / "serve.log"
+    argv = [sys.executable, "-m", "areal_cli.cli", "serve", "builtin:tiny-arith"]
+    argv += ["--port", str(port), "--log", str(log)]
+    server = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    info: dict = {}
+    url = f"http://127.0.0.1:{port}"
+
+    def call(path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.loads(answer.read())
+
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                info = call("/server_info")
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    why = server.stderr.read().decode()[-2000:]
+                    raise RuntimeError(f"areal serve did not start: {why}") from None
+                time.sleep(0.5)
+        prompt = [1, 30, 31, 32]
+        answer = call(
+            "/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {
+                    "temperature": 1.0,
+                    "max_new_tokens": 16,
+                    "ignore_eos": True,
+                    "sampling_seed": 3,
+                },
+                "return_logprob": True,
+            },
+        )
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(60)
+    got = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+    ids = answer["output_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(cached("tiny-arith", 1)).to(device).eval()
+    with torch.no_grad():
+        whole = torch.tensor([prompt + ids], device=device)
+        logits = hf(whole).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, whole[0, len(prompt) :, None])[:, 0]
+    worst = float((torch.tensor(got, device=device) - expected).abs().max())
+    on = info["device"]
+    return [
+        (
+            "areal serve: /generate logprobs vs transformers",
+            on.startswith(device) and worst < 1e-3 and len(ids) == 16,
+            f"served on {on}, {len(ids)} tokens, max |d| {worst:.1e} (bound 1e-3)",
+        )
+    ]
+
+
+def check_memory(work: Path, device: str) -> list[Row]:
+    """The embedded engine's release_memory_occupation and resume on the device: what it
+    holds falls by at least its weights and KV cache, and comes back; a seeded request
+    gives the same tokens before and after. On a GPU what it holds is
+    torch.cuda.memory_allocated; on the CPU, the bytes of the model's tensors."""
+    import torch
+
+    from areal_cli.inference.api import GenerateRequest, SamplingParams
+    from areal_cli.inference.engine import InferenceEngine
+    from areal_cli.launch.builtins import cached
+
+    def held(engine: InferenceEngine) -> int:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        tensors = [*engine.model.parameters(), *engine.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors) + engine.stats().kv_cache_bytes
+
+    request = GenerateRequest(
+        input_ids=[10, 11, 12, 13],
+        sampling_params=SamplingParams(
+            temperature=1.0, max_new_tokens=32, ignore_eos=True, sampling_seed=7
+        ),
+    )
+    with InferenceEngine(cached("small", 1), device=device) as engine:
+        first = engine.generate_sync(request).output_ids
+        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        kv = engine.stats().kv_cache_bytes
+        before = held(engine)
+        engine.release_memory_occupation()
+        released = held(engine)
+        engine.resume_memory_occupation()
+        again = engine.generate_sync(request).output_ids  # on the CPU: reads the weights again
+        after = held(engine)
+    fell, back = before - released, after >= before - 2**20
+    mb = 2**20
+    return [
+        (
+            "engine: release and resume memory",
+            fell >= weights + kv and back and again == first,
+            f"held {before / mb:.1f} MB -> released {released / mb:.1f} MB -> resumed "
+            f"{after / mb:.1f} MB (weights {weights / mb:.1f} MB, KV {kv / mb:.1f} MB); "
+            f"same tokens after: {again == first}",
         )
     ]
 
@@ -216,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU")
     parser.add_argument("--out", type=Path, help="also write the table here (summary.txt)")
     parser.add_argument("--steps", type=int, default=24, help="the colocated demo's steps")
+    parser.add_argument(
+        "--only", default="", help="comma-separated checks to run (default: all), e.g. ppo,serve"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -227,8 +481,21 @@ def main(argv: list[str] | None = None) -> int:
         ("trainer", lambda w: check_trainer(w, device)),
         ("engine", lambda w: check_engine(w, device)),
         ("colocated", lambda w: check_colocated(w, device, args.steps)),
+        ("ppo", lambda w: check_ppo_resume(w, device)),
+        ("supervised", lambda w: check_supervised(w, device)),
+        ("eval", lambda w: check_eval(w, device)),
+        ("serve", lambda w: check_serve(w, device)),
+        ("memory", lambda w: check_memory(w, device)),
         ("throughput", lambda w: check_throughput(w, device)),
     ]
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {name for name, _ in checks}
+        if unknown:
+            names = ", ".join(name for name, _ in checks)
+            print(f"gpu_check: no check {', '.join(sorted(unknown))}; the checks: {names}")
+            return 2
+        checks = [(name, check) for name, check in checks if name in wanted]
     rows: list[tuple[str, bool, str, float]] = []
     with tempfile.TemporaryDirectory(prefix="areal-gpu-check-") as tmp:
         for name, check in checks:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: bash scripts/gpu_check.sh [--cpu] [--out DIR] [--steps 24]
+# Usage: bash scripts/gpu_check.sh [--cpu] [--out DIR] [--steps 24] [--only CHECK,...]
 #
 # The GPU check (scripts/gpu_check.py): run it on a machine with one NVIDIA GPU, from a
 # copy of this repository, with the python that holds torch with CUDA (PYTHON=...). It

@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _FIRST = (
     "tests/inference/test_vllm.py",
     "tests/slurm/",
+    "tests/e2e/test_gpu_check.py",
     "tests/e2e/test_rm.py",
     "tests/e2e/test_train.py",
     "tests/gloo/test_tensor_parallel.py",

@@ -67,10 +67,9 @@ class _Context:
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i.
     Differentiable: the backward is the same exchange in reverse."""
-    from torch.distributed import _functional_collectives as funcol
+    from areal_cli.trainer import collectives
 
-    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return collectives.all_to_all(x, group)
 
 
 def sequence_to_heads(x: torch.Tensor, ctx: _Context) -> torch.Tensor:

@@ -27,19 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import STEP_PREFIX, step_name
-
-
-def _broadcast_object(obj: Any) -> Any:
-    if dist.get_world_size() == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+from areal_cli.trainer import collectives
 
 
 def _alone() -> bool:
@@ -50,7 +42,7 @@ def _alone() -> bool:
     spinning (measured: a 1-rank SFT step 0.10 s before the first recover save, 0.30 s
     after it, with 200x the context switches). With several ranks the gather is needed;
     see the issue note."""
-    return dist.get_world_size() == 1
+    return collectives.world_size() == 1
 
 
 @contextlib.contextmanager
@@ -77,28 +69,30 @@ def save_recover(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    rank = dist.get_rank()
-    tmp_name = _broadcast_object(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+    rank = collectives.rank()
+    tmp_name = collectives.broadcast_object(
+        f".tmp-step-{step}-{uuid.uuid4().hex[:8]}" if rank == 0 else None
+    )
     tmp = parent / tmp_name
     if rank == 0:
         parent.mkdir(parents=True, exist_ok=True)
         handoff.remove_stale(parent)
         tmp.mkdir()
-    dist.barrier()
+    collectives.barrier()
     everything = {}
     for name, (m, o) in {"model": (model, optimizer), **(extra or {})}.items():
         everything[name], everything[_optim_key(name)] = get_state_dict(m, o)
     with _quiet_alone():
         dcp.save(everything, checkpoint_id=str(tmp / "dcp"), no_dist=_alone())
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
-    dist.barrier()
+    collectives.barrier()
     final = parent / step_name(step)
     if rank == 0:
         handoff.write_json_atomic(tmp / "state.json", state)
-        meta = {"step": step, "world_size": dist.get_world_size()}
+        meta = {"step": step, "world_size": collectives.world_size()}
         handoff.finish_entry(tmp, final, step, handoff.record_tree(tmp), meta)
         handoff.gc(parent, STEP_PREFIX, keep_last)
-    dist.barrier()
+    collectives.barrier()
     return final
 
 
@@ -138,8 +132,8 @@ def load_recover(
             )
         else:
             set_model_state_dict(m, target[name])
-    rng_file = entry.path / f"rng-rank{dist.get_rank()}.pt"
-    if entry.meta.get("world_size") == dist.get_world_size() and rng_file.exists():
+    rng_file = entry.path / f"rng-rank{collectives.rank()}.pt"
+    if entry.meta.get("world_size") == collectives.world_size() and rng_file.exists():
         _set_rng_state(load_rng_file(rng_file))
     return json.loads((entry.path / "state.json").read_text())
 
@@ -317,7 +311,7 @@ class Checkpointer:
         from areal_cli.rundir.safetensors_io import PieceWriter
 
         meta = {**(meta or {}), "publish_started": time.time()}
-        rank = dist.get_rank()
+        rank = collectives.rank()
         plan = self._export_plan(model)
         file_name = "model.safetensors"
         tmp, header_piece = None, None
@@ -328,7 +322,9 @@ class Checkpointer:
                 self._swept.add(parent)
             tmp = handoff.new_tmp_dir(parent, name)
             header_piece = PieceWriter.create(tmp / file_name, plan.header, plan.size)
-        tmp = Path(_broadcast_object(str(tmp) if tmp else None))  # also: the file now exists
+        tmp = Path(
+            collectives.broadcast_object(str(tmp) if tmp else None)
+        )  # also: the file now exists
         writer = PieceWriter(tmp / file_name)
         links = []
         try:
@@ -336,7 +332,7 @@ class Checkpointer:
                 # collective: every rank walks the same order (full_tensor() gathers)
                 for tensor, how, offset in plan.writes:
                     if how == _FULL:
-                        full = tensor.full_tensor()
+                        full = collectives.full_tensor(tensor)
                         if rank == 0:
                             writer.write(offset, full)
                     else:
@@ -345,10 +341,7 @@ class Checkpointer:
                 links = [handoff.link_or_copy(src, tmp) for src in model_files_to_copy(model_dir)]
         finally:
             pieces = writer.close()
-        gathered: list[Any] = [pieces]
-        if dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, pieces)
+        gathered = collectives.all_gather_object(pieces)
         path = None
         if rank == 0:
             all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
@@ -356,6 +349,5 @@ class Checkpointer:
             path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
             if keep_last:
                 self._collect_in_background(parent, prefix, keep_last)
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        collectives.barrier()
         return path

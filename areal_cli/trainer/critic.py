@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from areal_cli.config.schema import CriticConfig, ExperimentConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
+from areal_cli.trainer import collectives
 from areal_cli.trainer.values import gae, value_loss
 
 # sums each step adds to the trainer's Stats (step._stat_keys) when there is a critic
@@ -254,15 +254,15 @@ def _explained_variance_sums(stats: Any, values, returns, mask) -> None:
 
 def _whiten(targets: list[list[Targets | None]], layout: Any) -> None:
     """Advantages to mean 0 and std 1 over the whole batch's generated tokens."""
-    sums = torch.zeros(3, dtype=torch.float64)
+    count, total, squares = 0.0, 0.0, 0.0  # floats, or 0-d tensors on the model's device
     for row in targets:
         for tg in row:
             if tg is not None:
                 a = tg.advantages[tg.mask].double()
-                sums += torch.stack([a.new_tensor(float(a.numel())), a.sum(), (a * a).sum()])
-    if dist.is_initialized():
-        dist.all_reduce(sums, group=layout.stats_group)
-    n, total, squares = sums.tolist()
+                count, total, squares = count + a.numel(), total + a.sum(), squares + (a * a).sum()
+    n, total, squares = collectives.reduce_values(
+        [count, total, squares], "sum", layout.stats_group
+    )
     if n == 0:
         return
     mean = total / n

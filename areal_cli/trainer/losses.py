@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from areal_cli.trainer import collectives
 from areal_cli.trainer.advantages import PRESETS, advantages
 
 AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
@@ -338,32 +339,13 @@ class VocabShard(NamedTuple):
     start: int
 
 
-class _SumOverShards(torch.autograd.Function):
-    """All-reduce SUM whose backward passes the gradient through unchanged: every rank of
-    the group computes the same loss from the sum, so each shard's gradient is its own."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 def _logsumexp(z: torch.Tensor, vocab: VocabShard | None) -> torch.Tensor:
     """logsumexp over the last dim, across the vocabulary shards when split."""
     if vocab is None:
         return torch.logsumexp(z, dim=-1)
-    import torch.distributed as dist
-
     top = z.detach().amax(dim=-1)  # a shift for stability: any value works, so no gradient
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=vocab.group)
-    total = _SumOverShards.apply(torch.exp(z - top.unsqueeze(-1)).sum(dim=-1), vocab.group)
+    collectives.max_in_place(top, vocab.group)
+    total = collectives.sum_over_shards(torch.exp(z - top.unsqueeze(-1)).sum(dim=-1), vocab.group)
     return torch.log(total) + top
 
 
@@ -375,7 +357,7 @@ def _pick(z: torch.Tensor, target: torch.Tensor, vocab: VocabShard | None) -> to
     inside = (local >= 0) & (local < z.shape[-1])
     picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)).squeeze(-1)
     picked = torch.where(inside.squeeze(-1), picked, torch.zeros_like(picked))
-    return _SumOverShards.apply(picked, vocab.group)
+    return collectives.sum_over_shards(picked, vocab.group)
 
 
 def token_logprobs(
@@ -448,7 +430,7 @@ def entropy_from_logits(
     lse = _logsumexp(z, vocab)
     expected = (torch.exp(z - lse.unsqueeze(-1)) * z).sum(dim=-1)
     if vocab is not None:
-        expected = _SumOverShards.apply(expected, vocab.group)
+        expected = collectives.sum_over_shards(expected, vocab.group)
     return lse - expected
 
 
@@ -465,5 +447,5 @@ def support_logprob_mean(
     # with no [tokens, support] copy of the logits
     total = z.sum(-1) if len(local) == z.shape[-1] else z[..., local].sum(-1)
     if vocab is not None:
-        total = _SumOverShards.apply(total, vocab.group)
+        total = collectives.sum_over_shards(total, vocab.group)
     return total / len(support) - _logsumexp(z, vocab)

@@ -32,15 +32,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from areal_cli.config.schema import ExperimentConfig, ParallelStrategy
 from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.rundir.paths import RunDir
+from areal_cli.trainer import collectives
 from areal_cli.trainer.parallelize import scalar_model
 from areal_cli.trainer.state import Role, TrainerState, print0
 from areal_cli.trainer.weight_sender import WeightSender
@@ -91,13 +90,9 @@ def train_strategy(args: argparse.Namespace, world: int) -> ParallelStrategy:
 
 
 def setup_distributed(cfg: ExperimentConfig) -> str:
-    """Init the process group; returns the device type (cuda or cpu)."""
+    """Init the process group (trainer.collectives); returns the device type (cuda or cpu)."""
     use_cuda = cfg.cluster.n_gpus_per_node > 0 and torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = timedelta(seconds=cfg.trainer.collective_timeout_s)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    return "cuda" if use_cuda else "cpu"
+    return collectives.init(use_cuda, cfg.trainer.collective_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +123,7 @@ def train(args: argparse.Namespace, cfg: ExperimentConfig, run_dir: Path, beat: 
     """Setup, the loop over steps, cleanup (see the module docstring)."""
     beat.phase("init process group")
     device_type = setup_distributed(cfg)
-    strategy = train_strategy(args, dist.get_world_size())
+    strategy = train_strategy(args, collectives.world_size())
     model_dir = initial_model(cfg, run_dir, beat)
     state = TrainerState.build(cfg, run_dir, beat, device_type, strategy, model_dir)
     if args.weight_group:

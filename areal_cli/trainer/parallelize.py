@@ -185,15 +185,14 @@ def scalar_model(source: Path, out: Path, seed: int, head_std: float | None = No
     """The scalar-head folder to build a reward model or critic from (collective):
     `source` itself when it already has a head, else OUT, the body of `source` with a new
     head (areal_cli.models.scalar_head), written by rank 0 while the others wait."""
-    import torch.distributed as dist
-
     from areal_cli.models.scalar_head import is_scalar_config, make_scalar_folder
+    from areal_cli.trainer import collectives
 
     if is_scalar_config(json.loads((source / "config.json").read_text())):
         return source
-    if dist.get_rank() == 0:
+    if collectives.rank() == 0:
         make_scalar_folder(source, out, seed, head_std=head_std)
-    dist.barrier()
+    collectives.barrier()
     return out
 
 

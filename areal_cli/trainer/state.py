@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from areal_cli.config.schema import ExperimentConfig, ParallelStrategy
@@ -39,6 +38,7 @@ from areal_cli.rundir import handoff
 from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.rundir.paths import STEP_PREFIX, RunDir, step_name, version_name
 from areal_cli.rundir.records import TrainerStep
+from areal_cli.trainer import collectives
 from areal_cli.trainer.checkpoint import Checkpointer, load_recover, save_recover
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.mesh import TrainerMesh, build_mesh, step_layout
@@ -51,7 +51,7 @@ Beat = Callable[[str], None]
 
 def print0(*args: object) -> None:
     """Print from rank 0 only, flushed (one line per step)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if collectives.rank() == 0:
         print(*args, flush=True)
 
 
@@ -147,9 +147,10 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float
         local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    figures = torch.tensor([rss, 2 * params + state], dtype=torch.float64) / 2**20
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    return float(figures[0]), float(figures[1])
+    peak_rss, state_mb = collectives.reduce_values(
+        [rss / 2**20, (2 * params + state) / 2**20], "max"
+    )
+    return peak_rss, state_mb
 
 
 @dataclass
@@ -285,7 +286,7 @@ class TrainerState:
         """After a step's update: its line (rank 0), then the recover entry and the
         checkpoints when due (see the module docstring for the order)."""
         step = record.step
-        if dist.get_rank() == 0:
+        if collectives.rank() == 0:
             lines = self.run.trainer_metrics
             lines.parent.mkdir(parents=True, exist_ok=True)
             with open(lines, "a") as f:
@@ -305,7 +306,7 @@ class TrainerState:
         """After the loop (steps `start`..`last` ran here): the final checkpoint when the
         saver asks for one, and the background cleanup finished (collective)."""
         self.beat.phase("final barrier")
-        dist.barrier()
+        collectives.barrier()
         final = self.run.checkpoint(last)
         # also when resumed at the end: the killed trainer may have died before writing it
         if self.cfg.saver.freq_steps == 0 and last > 0 and (last >= start or not final.exists()):
@@ -315,7 +316,7 @@ class TrainerState:
         self.checkpointer.wait_for_cleanup()
         self.beat.holds_devices = False
         self.beat.phase("done")
-        dist.barrier()  # the process then exits without tearing gloo down (trainer.main)
+        collectives.barrier()  # the process then exits without tearing gloo down (trainer.main)
 
 
 def _scheduler_key(name: str) -> str:

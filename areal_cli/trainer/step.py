@@ -36,12 +36,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from areal_cli.config.schema import NormConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
-from areal_cli.trainer import advantages, attention, losses
+from areal_cli.trainer import advantages, attention, collectives, losses
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
@@ -244,29 +243,29 @@ class Stats:
     """Sums and maxima over a fixed set of keys, all-reduced once at the end of the step.
 
     The keys come from the config, never from what a rank happened to see, so every rank
-    reduces tensors of the same length."""
+    reduces tensors of the same length. A value may be a float or a 0-d tensor on the
+    model's device: sums of tensors stay there until the reduction (no host sync per
+    micro-batch), which moves them to the group's device (trainer.collectives)."""
 
     def __init__(self, sum_keys: list[str], max_keys: list[str]) -> None:
-        self.sums = dict.fromkeys(sum_keys, 0.0)
-        self.maxes = dict.fromkeys(max_keys, -math.inf)
+        self.sums: dict[str, Any] = dict.fromkeys(sum_keys, 0.0)
+        self.maxes: dict[str, float] = dict.fromkeys(max_keys, -math.inf)
 
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] += float(value)
+    def add(self, key: str, value: Any) -> None:
+        if torch.is_tensor(value):
+            value = value.detach().to(torch.float64)
+        self.sums[key] = self.sums[key] + value
 
     def max(self, key: str, value: float) -> None:
         self.maxes[key] = max(self.maxes[key], float(value))
 
     def reduce(self, group: Any = None) -> dict[str, float]:
-        sums = torch.tensor(list(self.sums.values()), dtype=torch.float64)
-        maxes = torch.tensor(list(self.maxes.values()), dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        out = dict(zip(self.sums, sums.tolist(), strict=True))
+        sums = collectives.reduce_values(list(self.sums.values()), "sum", group)
+        maxes = collectives.reduce_values(list(self.maxes.values()), "max", group)
+        out = dict(zip(self.sums, sums, strict=True))
         # A maximum over no token at all is reported as 0, like the per-micro-batch stats.
         out.update(
-            (k, v if math.isfinite(v) else 0.0)
-            for k, v in zip(self.maxes, maxes.tolist(), strict=True)
+            (k, v if math.isfinite(v) else 0.0) for k, v in zip(self.maxes, maxes, strict=True)
         )
         return out
 
@@ -543,11 +542,9 @@ def agree_on_plans(lengths: list[list[int]], cfg: TrainEngineConfig) -> list[_Sh
     sequences, or units that must share a micro-batch, such as a preference pair."""
     spec = cfg.mb_spec
     own = [plan_micro_batches(ls, spec.max_tokens_per_mb, spec.n_mbs) for ls in lengths]
-    counts = torch.tensor([len(p.mbs) for p in own], dtype=torch.int64)
-    if dist.is_initialized():
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    counts = collectives.reduce_values([len(p.mbs) for p in own], "max")
     plans = []
-    for ls, plan, k in zip(lengths, own, counts.tolist(), strict=True):
+    for ls, plan, k in zip(lengths, own, (int(c) for c in counts), strict=True):
         short = len(plan.mbs) < k
         if short:
             again = plan_micro_batches(ls, spec.max_tokens_per_mb, k)
@@ -627,17 +624,16 @@ def grad_norm(grads: list[torch.Tensor]) -> float:
     """The global L2 norm of gradients that may be DTensors on different meshes (FSDP2's
     dp x cp mesh for some parameters, dp x cp by tp for tensor-parallel ones), as
     `clip_grad_norm_` would give on one process. Each rank sums the squares of the blocks
-    it is the primary holder of (`is_primary_block`: replicas are counted once), then one
-    all-reduce over the world: a single reduction, so every rank gets the same bits and
-    clips by the same factor."""
-    total = torch.zeros((), dtype=torch.float64)
+    it is the primary holder of (`is_primary_block`: replicas are counted once), on the
+    group's device (one host sync in all, after the reduction), then one all-reduce over
+    the world: a single reduction, so every rank gets the same bits and clips by the same
+    factor."""
+    total = torch.zeros((), dtype=torch.float64, device=collectives.device())
     for g in grads:
         if is_primary_block(g):
             local = g.to_local() if hasattr(g, "to_local") else g
-            total += local.double().pow(2).sum().cpu()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return float(total.sqrt())
+            total += local.double().pow(2).sum().to(total.device)
+    return float(collectives.all_reduce(total).sqrt())
 
 
 def is_primary_block(t: torch.Tensor) -> bool:
@@ -648,7 +644,7 @@ def is_primary_block(t: torch.Tensor) -> bool:
     dp x cp mesh of each tp coordinate). Every copy set partitions the world, so exactly
     one contains rank 0: its ranks are primary, at coordinate 0 of any Replicate dim. A
     plain tensor is the same everywhere: rank 0's copy is primary."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = collectives.rank()
     if not hasattr(t, "device_mesh"):
         return rank == 0
     mesh, placements = t.device_mesh, tuple(t.placements)

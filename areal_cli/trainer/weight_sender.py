@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from areal_cli.rundir import handoff
@@ -46,6 +45,7 @@ from areal_cli.rundir.weight_group import (
     member_left,
     own_address,
 )
+from areal_cli.trainer import collectives
 
 ATTEMPTS = 3  # sends of one version, each in a new group, before the trainer gives up
 
@@ -72,7 +72,7 @@ class WeightSender:
 
     def join(self) -> None:
         """Rank 0: announce a new group and wait until every server is in it."""
-        if dist.get_rank() != 0:
+        if collectives.rank() != 0:
             return
         self.token = token = secrets.token_hex(6)
         address = own_address(self.spec.master_address)
@@ -85,11 +85,6 @@ class WeightSender:
         here = dataclasses.replace(self.spec, master_address=address, master_port=port)
         self.groups += 1
         start = time.perf_counter()
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.spec.backend == "nccl"
-            else None
-        )
         ports: list[int] = []
 
         def announce(port: int) -> None:
@@ -100,7 +95,7 @@ class WeightSender:
             announce(here.master_port)
             self.group = VLLMGroup(here)
         else:
-            self.group = Group(here, 0, device, on_store=announce)
+            self.group = Group(here, 0, self.device, on_store=announce)
         print(
             f"[trainer] weight-update group {self.token}: {self.spec.world_size} members on "
             f"{address}:{ports[0]} ({self.spec.backend}), joined in "
@@ -118,7 +113,7 @@ class WeightSender:
         plan = buckets(
             [(n, dtype_name(t.dtype), list(t.shape)) for n, t in items], self.bucket_bytes
         )
-        rank = dist.get_rank()
+        rank = collectives.rank()
         failure = None
         for attempt in range(1, ATTEMPTS + 1):
             if rank == 0:
@@ -129,7 +124,7 @@ class WeightSender:
                 final = self.weights_dir / version_name(version)
                 handoff.finish_entry(tmp, final, version, [], entry_meta)
             failure = self._send(items, plan, version)
-            if not _any_rank(failure is not None):
+            if not collectives.any_on_rank0(failure is not None):
                 break
             if rank == 0:
                 print(f"[trainer] {failure}; attempt {attempt} of {ATTEMPTS}", flush=True)
@@ -145,24 +140,33 @@ class WeightSender:
         0 returns why it failed (None: sent). After a failure rank 0 still gathers, so
         every rank walks the same collectives, and it leaves the group, so the servers'
         receives end now instead of at the timeout."""
-        rank = dist.get_rank()
+        rank = collectives.rank()
         failure = None
         tensors = iter(items)
         for n, bucket in enumerate(plan):
             gathered = []
             for _ in bucket:
                 _, tensor = next(tensors)
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                full = collectives.full_tensor(tensor)
                 gathered.append(full.detach().contiguous())
             if rank != 0 or failure is not None:
                 continue
             try:
                 assert self.group is not None
-                self.group.broadcast(gathered, self._member_left)
+                on_group = [t.to(self.device) for t in gathered]  # NCCL: the GPU
+                self.group.broadcast(on_group, self._member_left)
             except Exception as exc:  # a server died, or the collective timed out
                 failure = f"sending bucket {n + 1} of {len(plan)} of v{version} failed: {_why(exc)}"
                 self.close()
         return failure
+
+    @property
+    def device(self) -> torch.device:
+        """Where rank 0 sends from: the weight group's device (this rank's GPU under
+        NCCL, the host under gloo), whatever device the trainer's shards are on."""
+        if self.spec.backend == "nccl" or self.spec.protocol == PYNCCL:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _member_left(self) -> bool:
         """Whether the controller saw a server of the current group die."""
@@ -217,15 +221,6 @@ class VLLMGroup:
     def close(self) -> None:
         if not self.stuck:
             self.comm.destroy()
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether `flag` holds on rank 0, told to every rank (one small collective)."""
-    if dist.get_world_size() == 1:
-        return flag
-    value = [flag]
-    dist.broadcast_object_list(value, src=0)
-    return bool(value[0])
 
 
 def _why(exc: BaseException) -> str:

@@ -117,10 +117,13 @@ atexit.register(shutil.rmtree, _TORCHRUN_LOGS, True)
 
 
 def torchrun_argv(nproc: int, *target: str) -> list[str]:
-    """`torchrun ... TARGET` (a script, or -m module) with `nproc` ranks on a free port."""
+    """`torchrun ... TARGET` (a script, or -m module) with `nproc` ranks on a free port.
+    Every rank runs under the collectives guard (tests/gloo/guard.py): a collective that
+    areal code issues outside areal_cli.trainer.collectives fails the rank."""
     return [
         TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--log-dir", _TORCHRUN_LOGS, *target,
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--log-dir", _TORCHRUN_LOGS,
+        "-m", "tests.gloo.guard", *target,
     ]  # fmt: skip
 
 
