@@ -20,12 +20,18 @@ install-locked:
 	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt constraints.txt ]; then \
 	  echo "$(VENV) was installed meanwhile"; \
 	else \
-	  set -ex; \
+	  set -e; start=$$(date +%s); \
+	  say() { echo "[make install] $$1 ($$(( $$(date +%s) - start )) s so far)"; }; \
+	  say "1/4 creating $(VENV) with $(PY)"; \
 	  test -x $(BIN)/python || $(PY) -m venv $(VENV); \
+	  say "2/4 upgrading pip"; \
 	  $(BIN)/python -m pip install --quiet --upgrade pip; \
+	  say "3/4 torch 2.13.0, the CPU build (pinned by constraints.txt)"; \
 	  $(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0; \
+	  say "4/4 areal and what it needs (transformers, datasets, ray, ...)"; \
 	  $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'; \
 	  touch $(STAMP); \
+	  say "done: $(VENV) is ready"; \
 	fi
 
 # Three workers on 2 cores: much of the suite's time is spent waiting on the processes

@@ -107,7 +107,11 @@ def _refuse_areal_format(recipe: Path) -> None:
 
 @app.command("import-recipe")
 def import_recipe_command(
-    recipe: Path = typer.Argument(..., help="AReaL recipe YAML.", metavar="AREAL.yaml"),
+    recipe: Path = typer.Argument(
+        ...,
+        help="AReaL recipe YAML, or a folder: every YAML in it (and below), with a table.",
+        metavar="AREAL.yaml",
+    ),
     script: Path | None = typer.Option(
         None, "--script", help="AReaL's entry script for it (reward, workflow).", metavar="ENTRY.py"
     ),
@@ -115,42 +119,90 @@ def import_recipe_command(
         None,
         "-o",
         "--output",
-        help="Write the areal recipe here (default: print it).",
+        help="Write the areal recipe here (default: print it); for a folder, the folder to write each into.",
         metavar="OUT.yaml",
     ),
 ) -> None:
     """Turn an AReaL recipe into an areal recipe, with a header that lists each key
     dropped, changed or not honoured. Starts nothing."""
+    if recipe.is_dir():
+        if script is not None:
+            _die("--script goes with one recipe file, not a folder: import that file alone")
+        raise typer.Exit(_import_folder(recipe, output))
+    name = str(output) if output is not None else recipe.stem + ".areal.yaml"
+    try:
+        yaml_text, summary = _import_one(recipe, script, name)
+    except ValueError as exc:
+        _die(str(exc))
+    if output is None:
+        typer.echo(yaml_text, nl=False)
+    else:
+        _write_recipe(output, yaml_text)
+    typer.echo(
+        f"# imported {recipe}: {summary} (see the header); next: areal validate {name}", err=True
+    )
+
+
+def _import_one(recipe: Path, script: Path | None, name: str) -> tuple[str, str]:
+    """An AReaL recipe as areal recipe text (named `name` in its header), and a summary
+    of what changed; ValueError says why it cannot be imported, in one line."""
     from areal_cli.config.areal_import import ImportRefused, import_recipe, render
 
     try:
         text = recipe.read_text()
         source = script.read_text() if script is not None else None
     except (OSError, UnicodeDecodeError) as exc:
-        _die(f"cannot read {exc.filename or recipe}: {exc.strerror or exc}")
+        raise ValueError(f"cannot read {exc.filename or recipe}: {exc.strerror or exc}") from None
     try:
         imported = import_recipe(text, str(recipe), source)
     except ImportRefused as exc:
-        _die(str(exc))
+        raise ValueError(str(exc)) from None
     except Exception as exc:  # yaml errors and malformed sections, as one line
-        _die(f"{recipe}: cannot import: {str(exc).splitlines()[0]}")
-    name = str(output) if output is not None else recipe.stem + ".areal.yaml"
-    yaml_text = render(imported, str(recipe), name)
-    if output is None:
-        typer.echo(yaml_text, nl=False)
-    else:
-        from areal_cli.rundir.handoff import write_text_atomic
-
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(output, yaml_text)
-        except OSError as exc:
-            _die(f"cannot write {output}: {exc.strerror or exc}")
-    typer.echo(
-        f"# imported {recipe}: {len(imported.changed)} changed, {len(imported.dropped)} dropped, "
-        f"{len(imported.lost)} not honoured (see the header); next: areal validate {name}",
-        err=True,
+        raise ValueError(f"{recipe}: cannot import: {str(exc).splitlines()[0]}") from None
+    summary = (
+        f"{len(imported.changed)} changed, {len(imported.dropped)} dropped, "
+        f"{len(imported.lost)} not honoured"
     )
+    return render(imported, str(recipe), name), summary
+
+
+def _write_recipe(output: Path, yaml_text: str) -> None:
+    from areal_cli.rundir.handoff import write_text_atomic
+
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(output, yaml_text)
+    except OSError as exc:
+        _die(f"cannot write {output}: {exc.strerror or exc}")
+
+
+def _import_folder(folder: Path, out_dir: Path | None) -> int:
+    """`import-recipe FOLDER [-o OUT_DIR]`: every YAML under FOLDER, one table row each
+    (imported with its summary, or why not); with -o each import is written to
+    OUT_DIR/<its path under FOLDER>. Exit 0 when any imported, 2 when none did."""
+    files = sorted(p for p in folder.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+    if not files:
+        _die(f"{folder} holds no .yaml file; give an AReaL recipe file or a folder of them")
+    rows, imported = [], 0
+    for path in files:
+        rel = path.relative_to(folder)
+        target = out_dir / rel.with_suffix(".yaml") if out_dir is not None else None
+        try:
+            yaml_text, summary = _import_one(path, None, str(target or rel))
+        except ValueError as exc:
+            rows.append((str(rel), "refused", str(exc).removeprefix(f"{path}: ")))
+            continue
+        imported += 1
+        if target is not None:
+            _write_recipe(target, yaml_text)
+        rows.append((str(rel), "imported", summary + (f" -> {target}" if target else "")))
+    width = max(len(r[0]) for r in rows)
+    typer.echo(f"{'file':<{width}}  {'result':<8}  details")
+    for rel, result, details in rows:
+        typer.echo(f"{rel:<{width}}  {result:<8}  {details}")
+    hint = "" if out_dir is not None else "; pass -o OUT_DIR to write them"
+    typer.echo(f"# {imported} of {len(rows)} imported{hint}", err=True)
+    return 0 if imported else EXIT_BAD_INPUT
 
 
 @app.command()
@@ -212,7 +264,9 @@ def train(
             from areal_cli.launch.submit import submit_run
 
             warn = lambda line: typer.echo(f"warning: {line}", err=True)  # noqa: E731
-            raise typer.Exit(submit_run(loaded, plan, recipe, overrides, resume, typer.echo, warn))
+            error = lambda line: typer.echo(f"error: {line}", err=True)  # noqa: E731
+            code = submit_run(loaded, plan, recipe, overrides, resume, typer.echo, warn, error)
+            raise typer.Exit(code)
         from areal_cli.config.loader import REDACTED
 
         shown = [  # the key stays out of the console and the controller log
@@ -363,7 +417,7 @@ def serve(
 
     server = _serve_backend(backend, host, api_key, insecure_no_api_key, bool(weight_root), python)
 
-    path = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
+    path, version = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
     options = ServeOptions(
         path,
         host=host,
@@ -375,6 +429,7 @@ def serve(
         context_length=context_length,
         weight_roots=tuple(str(r.expanduser().resolve()) for r in weight_root),
         insecure_no_api_key=insecure_no_api_key,
+        weight_version=version,
     )
     try:
         argv = server.serve_argv(options, python)
@@ -415,8 +470,10 @@ def _die(message: str) -> NoReturn:
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
-def _serve_model_path(model: str, cache: Path) -> str:
-    """A model folder for `serve`: builtin models are built in `cache` on first use."""
+def _serve_model_path(model: str, cache: Path) -> tuple[str, str]:
+    """A model folder for `serve` (builtin models are built in `cache` on first use), and
+    the weight version it serves under: N for a run's weights/vN or checkpoints/step-N
+    (its entry's version), else 0."""
     if model.startswith("builtin:"):
         from areal_cli.config.schema import BUILTIN_MODELS, ModelConfig
         from areal_cli.launch import builtins
@@ -427,7 +484,7 @@ def _serve_model_path(model: str, cache: Path) -> str:
                 f"unknown builtin model {model!r}; choose one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}"
             )
         say = lambda line: typer.echo(f"[areal] {line}", err=True)  # noqa: E731
-        return str(builtins.materialize(preset, seed, cache / f"{preset}-seed{seed}", say))
+        return str(builtins.materialize(preset, seed, cache / f"{preset}-seed{seed}", say)), "0"
     from areal_cli.rundir.checkpoints import CheckpointError, locate
 
     try:
@@ -439,7 +496,13 @@ def _serve_model_path(model: str, cache: Path) -> str:
             f"{found.path} is a DCP checkpoint and serve serves HF folders; convert it first: "
             f"areal convert-checkpoint {found.path} OUT, then areal serve OUT"
         )
-    return str(found.path)
+    from areal_cli.rundir import handoff
+
+    try:
+        version = str(handoff.read_entry(found.path).version)
+    except (handoff.IncompleteEntry, OSError, ValueError):
+        version = "0"  # a plain HF folder: no entry, no version
+    return str(found.path), version
 
 
 def _run_in_foreground(
@@ -496,7 +559,11 @@ def convert_checkpoint(
         show_default=False,
         metavar="DST",
     ),
-    to: str = typer.Option(None, "--to", help="hf or dcp; default: the other format."),
+    to: str = typer.Option(
+        None,
+        "--to",
+        help="hf or dcp; default: the other format (refused when DST's name says the same one).",
+    ),
     dtype: str = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as stored)."),
     max_shard_size: str = typer.Option(
         "5GB", "--max-shard-size", help="Largest safetensors file (HF output)."
@@ -515,7 +582,7 @@ def convert_checkpoint(
     """Convert sharded training checkpoints (DCP) to Hugging Face folders and back."""
     import time
 
-    from areal_cli.weights.convert import ConvertError, VerifyFailed, convert
+    from areal_cli.weights.convert import FORMAT_NAMES, ConvertError, VerifyFailed, convert
 
     if to not in (None, "hf", "dcp"):
         _die(f"--to must be hf or dcp, got {to}")
@@ -533,7 +600,7 @@ def convert_checkpoint(
         typer.echo(f"SRC {src} is a run directory: converting its newest weights, {found.path}")
     start = time.perf_counter()
     try:
-        source, _, verdict = convert(
+        source, out, verdict = convert(
             found.path,
             dst,
             to=to,
@@ -545,7 +612,11 @@ def convert_checkpoint(
             check=verify,
         )
         took = time.perf_counter() - start
-        typer.echo(f"converted {source.kind} {found.path} -> {dst} in {took:.1f}s")
+        made = "hf" if source.kind == "dcp" else "dcp"
+        typer.echo(
+            f"converted {FORMAT_NAMES[source.kind]} {found.path} -> {FORMAT_NAMES[made]} "
+            f"{out} in {took:.1f}s"
+        )
         for line in verdict.lines() if verdict else []:
             typer.echo(line)
     except ConvertError as exc:
@@ -642,7 +713,11 @@ class _EvalProgress:
             self.bar.stop()
 
 
-RUN_DIR = typer.Argument(..., help="A run directory: FILEROOT/EXPERIMENT/TRIAL.", metavar="RUN")
+RUN_DIR = typer.Argument(
+    ...,
+    help="A run directory, FILEROOT/EXPERIMENT/TRIAL (the RUN column of `areal ps`), or EXPERIMENT/TRIAL under ./runs.",
+    metavar="RUN",
+)
 
 
 @app.command()
@@ -659,7 +734,7 @@ def status(run: Path = RUN_DIR) -> None:
     """One run in detail: state, processes, the last metrics and the trainer's phase."""
     from areal_cli.launch import runs
 
-    _need_run(run)
+    run = _need_run(run)
     typer.echo("\n".join(runs.status_lines(run)))
 
 
@@ -676,7 +751,7 @@ def logs(
     from areal_cli.launch import runs
     from areal_cli.rundir.paths import RunDir
 
-    _need_run(run)
+    run = _need_run(run)
     path = RunDir(run).log(name)
     # Following a log the run will write (the controller's, or a planned process's) waits
     # for it while the run is pending or running: a Slurm job that has not started yet,
@@ -705,7 +780,7 @@ def stop(run: Path = RUN_DIR) -> None:
     """Stop a running run cleanly, as Ctrl-C would (every process of it ends)."""
     from areal_cli.launch import runs
 
-    _need_run(run)
+    run = _need_run(run)
     try:
         typer.echo(f"{run}: {runs.stop(run)}")
     except RuntimeError as exc:
@@ -713,11 +788,18 @@ def stop(run: Path = RUN_DIR) -> None:
         raise typer.Exit(1) from None
 
 
-def _need_run(run: Path) -> None:
+def _need_run(run: Path) -> Path:
+    """The run directory RUN names: itself, or EXPERIMENT/TRIAL under ./runs (the default
+    FILEROOT, as `areal ps` shows a run there)."""
     from areal_cli.rundir.paths import RunDir
 
-    if not RunDir(run).config.is_file():
-        _die(f"{run}: not a run directory (no config.yaml); `areal ps FILEROOT` lists them")
+    for candidate in (run, Path("runs") / run):
+        if RunDir(candidate).config.is_file():
+            return candidate
+    _die(
+        f"{run}: not a run directory (no config.yaml); `areal ps FILEROOT` lists the runs "
+        "under FILEROOT, with the path to give in its RUN column"
+    )
 
 
 def _caches_in_areal_cache() -> None:
@@ -734,9 +816,20 @@ def _caches_in_areal_cache() -> None:
     os.environ.setdefault("MPLCONFIGDIR", str(root / "matplotlib"))
 
 
+def _plain_help_off_a_wide_terminal() -> None:
+    """Rich's help boxes cut a word longer than their column (`/update_weights_from_di…`)
+    on a narrow terminal and off one (a pipe or a file is 80 columns to rich); Click's
+    plain help wraps every word whole, so it is used there."""
+    import shutil
+
+    if not sys.stdout.isatty() or shutil.get_terminal_size().columns < 100:
+        app.rich_markup_mode = None
+
+
 def main() -> None:
     """Console-script entry point."""
     _caches_in_areal_cache()
+    _plain_help_off_a_wide_terminal()
     app(prog_name="areal")
 
 

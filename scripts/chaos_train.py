@@ -1,4 +1,5 @@
-"""Usage: python scripts/chaos_train.py [--faults 20] [--steps 60] [--seed 0] [--keep] [--set KEY=VALUE ...]
+"""Usage: python scripts/chaos_train.py [--faults 20 | --each 10] [--steps 60] [--seed 0]
+           [--layout split|distributed|colocated] [--keep] [--set KEY=VALUE ...]
 
 Chaos benchmark of fault recovery: runs `areal train recipes/tiny_cpu.yaml` and kills,
 --faults times at random moments, one of
@@ -15,9 +16,15 @@ done the run goes on to --steps, and the script checks:
   partial entries   unfinished writes left in the run directory (`.tmp-*`, `.trash-*`,
                     `*.tmp`) and handoff entries without a readable manifest;
   final weights     whether the last checkpoint loads with transformers.
---set adds recipe overrides, e.g. --set actor.weight_update.method=distributed for the
-weights over the network. It prints one line per fault and a summary, and exits 1 unless every count is 0 and the
-weights load. The run directory is under .chaos/ (removed on success unless --keep).
+--each N kills N of every kind instead (in an order drawn from --seed). --layout picks
+one of the tested layouts of the demo:
+  split        embedded:d1+fsdp:d1, weights on disk (the recipe's own);
+  distributed  the same, weights over the network (actor.weight_update.method);
+  colocated    embedded:d1|fsdp:d1: server and trainer take turns on the same cores
+               (rollout.max_staleness 0), so a fault can land inside either turn.
+--set adds more recipe overrides. It prints one line per fault and a summary, and exits
+1 unless every count is 0 and the weights load. The run directory is under .chaos/
+(removed on success unless --keep).
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ from areal_cli.launch.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("server", "trainer", "controller")
+LAYOUTS = {
+    "split": [],
+    "distributed": ["actor.weight_update.method=distributed"],
+    "colocated": ["allocation_mode=embedded:d1|fsdp:d1", "rollout.max_staleness=0"],
+}
 
 
 def processes_of(run_dir: Path) -> list[tuple[int, str]]:
@@ -109,6 +121,8 @@ def weights_load(run_dir: Path, step: int) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--each", type=int, help="N faults of every kind (in place of --faults)")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="split")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="for the whole run")
@@ -118,6 +132,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    order = None  # --each: the kinds to kill, in order
+    if args.each is not None:
+        order = [kind for kind in KINDS for _ in range(args.each)]
+        rng.shuffle(order)
+        args.faults = len(order)
     root = REPO / ".chaos" / f"seed{args.seed}"
     shutil.rmtree(root, ignore_errors=True)
     run_dir = root / "tiny-cpu" / "trial0"
@@ -127,7 +146,7 @@ def main() -> int:
         "logging.display=plain", "logging.tensorboard=false", "recover.freq_steps=1",
         f"launcher.inference_base_port={free_port()}", f"launcher.trainer_port={free_port()}",
         f"launcher.restarts.trainer={args.faults}", f"launcher.restarts.server={args.faults}",
-        *args.set,
+        *LAYOUTS[args.layout], *args.set,
     ]  # fmt: skip
     root.mkdir(parents=True)
     log = open(root.parent / f"seed{args.seed}.log", "w")  # noqa: SIM115 - the whole run
@@ -152,7 +171,7 @@ def main() -> int:
             print(f"the run failed (exit {proc.returncode}); see {root.parent}/seed{args.seed}.log")
             return 1
         time.sleep(rng.uniform(0.0, 3.0))
-        kind = rng.choice(KINDS)
+        kind = order[sum(done.values())] if order is not None else rng.choice(KINDS)
         t = time.monotonic() - start
         if kind == "controller":
             proc.send_signal(signal.SIGKILL)

@@ -153,18 +153,52 @@ def _areal(work: Path, *args: str, timeout: float = 600) -> subprocess.Completed
     return done
 
 
-def _run_overrides(work: Path, device: str, trial: str) -> list[str]:
+def _run_overrides(work: Path, device: str, trial: str, server: bool = True) -> list[str]:
     """Where a check's run writes, and on a GPU the device settings: the trainer on
     NCCL with bf16 compute (FSDP2 then wraps even one rank, so its state is DTensor
-    shards on the GPU), the embedded server on the GPU."""
+    shards on the GPU), and with `server` (an RL run) the embedded server on the GPU."""
     out = [
         f"cluster.fileroot={work / 'runs'}", f"trial_name={trial}",
         "logging.display=plain", "logging.tensorboard=false",
     ]  # fmt: skip
     if device == "cuda":
-        out += ["cluster.n_gpus_per_node=1", "inference.embedded.device=cuda"]
+        out += ["cluster.n_gpus_per_node=1"] + (
+            ["inference.embedded.device=cuda"] if server else []
+        )
         out += ["actor.fsdp.param_dtype=bfloat16", "actor.fsdp.reduce_dtype=float32"]
     return out
+
+
+def recipe_runs(work: Path, device: str, steps: int = 24) -> dict[str, list[str]]:
+    """The recipe and overrides of every `areal train` and `areal eval` the checks run, by
+    name, with the device's settings; tests/unit/test_gpu_check_runs.py validates the GPU
+    ones on a CPU, so a run that one GPU would refuse is caught before a GPU is lent."""
+    eval_layout = []
+    if device == "cuda":  # one GPU: the recipe's split layout would need two
+        eval_layout = ["allocation_mode=embedded:d1|fsdp:d1", "rollout.max_staleness=0"]
+    return {
+        "colocated": [
+            "recipes/tiny_cpu_colocated.yaml", f"total_train_steps={steps}",
+            *_run_overrides(work, device, "colocated"),
+        ],
+        "ppo": [
+            "recipes/tiny_ppo.yaml", "allocation_mode=embedded:d1|fsdp:d1",
+            "rollout.max_staleness=0", "recover.freq_steps=1",
+            *_run_overrides(work, device, "ppo"),
+        ],
+        "sft": [
+            "recipes/tiny_sft.yaml", "total_train_steps=4", "sft.eval_freq_steps=4",
+            *_run_overrides(work, device, "sft", server=False),
+        ],
+        "rm": [
+            "recipes/tiny_rm.yaml", "total_train_steps=4", "rm.eval_freq_steps=4",
+            *_run_overrides(work, device, "rm", server=False),
+        ],
+        "eval": [
+            "recipes/tiny_cpu.yaml", "eval.max_prompts=50", "eval.n_samples=4",
+            *_run_overrides(work, device, "eval"), *eval_layout,
+        ],
+    }  # fmt: skip
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -175,10 +209,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def check_colocated(work: Path, device: str, steps: int) -> list[Row]:
     start = time.time()
-    _areal(
-        work, "train", "recipes/tiny_cpu_colocated.yaml", f"total_train_steps={steps}",
-        *_run_overrides(work, device, "colocated"),
-    )  # fmt: skip
+    _areal(work, "train", *recipe_runs(work, device, steps)["colocated"])
     (run_dir,) = (work / "runs").glob("*/colocated")
     rows = [r for r in _rows(run_dir) if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows]
@@ -200,10 +231,7 @@ def check_ppo_resume(work: Path, device: str) -> list[Row]:
     """The PPO recipe (actor and critic) colocated on the one device: 2 steps with a
     recover entry after each, then --resume to 4 steps from recover/step-2 (DCP of the
     device's shards, both models), then the last entry converted to HF with --verify."""
-    args = [
-        "recipes/tiny_ppo.yaml", "allocation_mode=embedded:d1|fsdp:d1",
-        "rollout.max_staleness=0", "recover.freq_steps=1", *_run_overrides(work, device, "ppo"),
-    ]  # fmt: skip
+    args = recipe_runs(work, device)["ppo"]
     _areal(work, "train", *args, "total_train_steps=2")
     resumed = _areal(work, "train", *args, "total_train_steps=4", "--resume")
     (run_dir,) = (work / "runs").glob("*/ppo")
@@ -240,14 +268,9 @@ def check_ppo_resume(work: Path, device: str) -> list[Row]:
 
 def check_supervised(work: Path, device: str) -> list[Row]:
     """SFT and the reward model, 4 steps each, with their held-out metrics."""
-    _areal(
-        work, "train", "recipes/tiny_sft.yaml", "total_train_steps=4", "sft.eval_freq_steps=4",
-        *_run_overrides(work, device, "sft"),
-    )  # fmt: skip
-    _areal(
-        work, "train", "recipes/tiny_rm.yaml", "total_train_steps=4", "rm.eval_freq_steps=4",
-        *_run_overrides(work, device, "rm"),
-    )  # fmt: skip
+    runs = recipe_runs(work, device)
+    _areal(work, "train", *runs["sft"])
+    _areal(work, "train", *runs["rm"])
     (sft_dir,) = (work / "runs").glob("*/sft")
     (rm_dir,) = (work / "runs").glob("*/rm")
     sft, rm = _rows(sft_dir), _rows(rm_dir)
@@ -270,11 +293,7 @@ def check_supervised(work: Path, device: str) -> list[Row]:
 def check_eval(work: Path, device: str) -> list[Row]:
     """areal eval of the demo's initial model on the device (50 prompts, 4 samples)."""
     out = work / "eval"
-    overrides = _run_overrides(work, device, "eval")
-    _areal(
-        work, "eval", "recipes/tiny_cpu.yaml", "eval.max_prompts=50", "eval.n_samples=4",
-        *overrides, "--out", str(out),
-    )  # fmt: skip
+    _areal(work, "eval", *recipe_runs(work, device)["eval"], "--out", str(out))
     summary = json.loads((out / "summary.json").read_text())
     return [
         (

@@ -1,21 +1,31 @@
 """Recipe-side Python: the one way a recipe's `module:function` is found and loaded.
 
-A recipe names its own code as `module:function` (reward.fn, rollout.workflow). The
-module is looked for first as a file beside the recipe (`module.py`, or `a/b.py` for
-`a.b`), then as an importable module. `find_module_file` only locates it (validation
-runs no recipe code); `load_module` executes it once per process under its own name
-(so pickling and dataclasses inside it work), with the recipe's folder appended to
-sys.path so that its helpers import. Appended, not prepended: a recipe folder must not
-shadow installed packages.
+A recipe names its own code as `module:function` (reward.fn, rollout.workflow,
+rollout.agent). The module is looked for first as a file beside the recipe (`module.py`,
+or `a/b.py` for `a.b`), then as an importable module. `find_module_file` only locates it;
+`load_module` executes it once per process under its own name (so pickling and
+dataclasses inside it work), with the recipe's folder appended to sys.path so that its
+helpers import. Appended, not prepended: a recipe folder must not shadow installed
+packages.
+
+Validation reads reward and workflow files without running them (`spec_problem`: the
+file parses and defines the name). An agent it imports (`agent_problem`): the agent's
+contract is a class with `async def run` or an async function, which only the loaded
+object can show, and an agent's import fails in ways a parse cannot see; importing it
+before anything starts turns a failure ten seconds into a run into one line before it.
+The controller then finds the module already loaded and does not run it again.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 class RecipeCodeError(ValueError):
@@ -124,6 +134,12 @@ def spec_problem(
         return None
     module, sep, func = spec.partition(":")
     if not sep or not module or not func.isidentifier():
+        if not builtins:
+            return (
+                f"'{spec}' is not module:Name",
+                "name it as my_module:MyAgent, with my_module.py beside the recipe",
+                False,
+            )
         choices = ", ".join(("builtin:" if builtin_prefix else "") + b for b in builtins)
         return (
             f"'{spec}' is neither a builtin nor module:function",
@@ -137,17 +153,34 @@ def spec_problem(
             f"put {module.replace('.', '/')}.py next to the recipe or install it",
             False,
         )
-    if source.suffix == ".py" and func not in _top_level_functions(source):
-        return f"{source.name} defines no function '{func}'", "check the function name", False
+    if source.suffix != ".py":
+        return None
+    try:
+        names = _top_level_names(source)
+    except SyntaxError as err:
+        return (
+            f"{source.name}:{err.lineno}: {err.msg}",
+            "fix the syntax error in the file",
+            False,
+        )
+    if func not in names:
+        defined = ", ".join(sorted(n for n in names if not n.startswith("_"))) or "nothing"
+        return (
+            f"{source.name} has no class or function named '{func}' (it defines: {defined})",
+            "check the name after the colon",
+            False,
+        )
     return None
 
 
-def _top_level_functions(source: Path) -> set[str]:
+def _top_level_names(source: Path) -> set[str]:
+    """The classes, functions and assigned names at the top of `source` (SyntaxError
+    when it does not parse)."""
     import ast
 
     try:
-        tree = ast.parse(source.read_text())
-    except (OSError, SyntaxError):
+        tree = ast.parse(source.read_text(), filename=str(source))
+    except OSError:
         return set()
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)  # a class: an agent
     return {n.name for n in tree.body if isinstance(n, kinds)} | {
@@ -157,3 +190,60 @@ def _top_level_functions(source: Path) -> set[str]:
         for t in n.targets
         if isinstance(t, ast.Name)
     }
+
+
+AgentRun = Callable[..., Awaitable[Any]]  # (data, **kwargs) -> reward
+
+
+def load_agent(spec: str, recipe_dir: Path | None) -> Callable[[], AgentRun]:
+    """A factory of the agent's per-episode entry point: `Name().run` for a class (made
+    with no arguments), the function itself for an async function
+    (areal_cli.rollout.agents has the whole contract); RecipeCodeError says what breaks
+    it."""
+    found = load_function(spec, recipe_dir)
+    if inspect.isclass(found):
+        run = getattr(found, "run", None)
+        if run is None:
+            raise RecipeCodeError(
+                f"agent class {spec} has no run method: define `async def run(self, data, **kwargs)`"
+            )
+        if not inspect.iscoroutinefunction(run):
+            raise RecipeCodeError(
+                f"{spec}.run must be async: `async def run(self, data, **kwargs)`"
+            )
+        try:
+            inspect.signature(found).bind()
+        except TypeError:
+            raise RecipeCodeError(
+                f"agent class {spec} must be made with no arguments (one per episode)"
+            ) from None
+        return lambda: found().run
+    if not inspect.iscoroutinefunction(found):
+        raise RecipeCodeError(
+            f"agent {spec} must be an async function `async def {spec.partition(':')[2]}(data, **kwargs)`"
+            " or a class with `async def run(self, data, **kwargs)`"
+        )
+    return lambda: found  # type: ignore[return-value]
+
+
+def agent_problem(spec: str, recipe_dir: Path) -> str | None:
+    """What stops `load_agent(spec)`, in one line naming the file and line where it can
+    (a syntax error, an import that fails, a missing name, a broken contract); None when
+    it loads. Runs the agent's module (see the module docstring)."""
+    import traceback
+
+    try:
+        load_agent(spec, recipe_dir)
+    except SyntaxError as err:
+        return f"{Path(err.filename or '?').name}:{err.lineno}: {err.msg}"
+    except RecipeCodeError as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - whatever its import raises is the user's to see
+        source = find_module_file(spec.partition(":")[0], recipe_dir)
+        frames = [
+            f for f in traceback.extract_tb(err.__traceback__)
+            if source is not None and Path(f.filename) == source
+        ]  # fmt: skip
+        where = f"{source.name}:{frames[-1].lineno}: " if frames and source else ""
+        return f"{where}importing the agent failed: {type(err).__name__}: {err}"
+    return None

@@ -241,3 +241,38 @@ def _template_call(call: Any) -> dict[str, Any]:
         "id": call.get("id"),
         "function": {"name": fn["name"], "arguments": args},
     }
+
+
+def chat_chunks(envelope: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A finished `chat.completion` answer as the `chat.completion.chunk` objects of a
+    streamed one: the role, the content, each tool call, then the finish reason (with the
+    usage). Both fronts generate the whole reply first, then send it this way."""
+    (choice,) = envelope["choices"]
+    message = choice["message"]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        deltas.append({"tool_calls": [{"index": i, **call}]})
+    head = {k: v for k, v in envelope.items() if k not in ("choices", "usage")}
+    head["object"] = "chat.completion.chunk"
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas
+    ]
+    last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    chunks.append({**head, "choices": [last], "usage": envelope.get("usage")})
+    return chunks
+
+
+async def send_sse(request: Any, chunks: list[dict[str, Any]]) -> Any:
+    """Send `chunks` to an aiohttp `request` as server-sent events, as OpenAI streams
+    them (`data: {...}` each, then `data: [DONE]`); returns the response."""
+    from aiohttp import web
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

@@ -99,9 +99,7 @@ def _number(
         raise ChatRequestError(f"'{key}' must be {bounds} (got {value!r})")
 
 
-def _integer(
-    body: Mapping[str, Any], key: str, low: int | None, high: int | None = None
-) -> None:
+def _integer(body: Mapping[str, Any], key: str, low: int | None, high: int | None = None) -> None:
     value = body.get(key)
     if value is None:
         return
@@ -138,9 +136,7 @@ def _check_tools(tools: Any) -> set[str]:
         if not isinstance(tool, Mapping):
             raise ChatRequestError(f"'{where}' must be an object")
         if tool.get("type") != "function":
-            raise ChatRequestError(
-                f"'{where}.type' must be 'function' (got {tool.get('type')!r})"
-            )
+            raise ChatRequestError(f"'{where}.type' must be 'function' (got {tool.get('type')!r})")
         fn = tool.get("function")
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ChatRequestError(f"'{where}.function.name' must be a non-empty string")
@@ -185,9 +181,7 @@ def _check_messages(messages: Any) -> None:
             )
         content = message.get("content")
         if content is not None and not _is_content(content):
-            raise ChatRequestError(
-                f"'{where}.content' must be a string or a list of text parts"
-            )
+            raise ChatRequestError(f"'{where}.content' must be a string or a list of text parts")
         calls = message.get("tool_calls")
         if calls is not None and (role != "assistant" or not isinstance(calls, list)):
             raise ChatRequestError(
@@ -195,8 +189,9 @@ def _check_messages(messages: Any) -> None:
             )
         if content is None and not (role == "assistant" and calls):
             raise ChatRequestError(
-                f"'{where}.content' is required for a {role} message"
-                + (" (or tool_calls)" if role == "assistant" else "")
+                f"'{where}.content' is required for an assistant message without tool_calls"
+                if role == "assistant"
+                else f"'{where}.content' is required for a {role} message"
             )
 
 

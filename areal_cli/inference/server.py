@@ -12,8 +12,10 @@ Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
 /release_memory_occupation, /resume_memory_occupation (areal_cli.inference.memory),
 /flush_cache, /health, /health_generate, /model_info, /get_model_info, /server_info.
 OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-(one response, n=1; `stop` strings and top alternatives are not supported, and any field
-a route does not honour is refused with a 400 naming it, never dropped). The chat route
+(n=1; `stream` sends the whole reply as OpenAI's chunks once it is generated; `stop`
+strings and top alternatives are not supported, and any field a route does not honour is
+refused with a 400 naming it, never dropped; every value is checked by
+areal_cli.data.requests, so a bad one is a 400 naming the field). The chat route
 takes `tools` and answers parsed `tool_calls` (areal_cli.data.chat; --tool-call-parser,
 from the chat template by default).
 With --api-key every route except /health and /health_generate needs
@@ -48,13 +50,15 @@ from aiohttp import web
 from areal_cli.config.schema import DTYPES
 from areal_cli.data.chat import (
     TOOL_PARSERS,
-    ChatRequestError,
+    chat_chunks,
     chat_logprobs,
     chat_prompt_ids,
     openai_finish,
     parse_chat_reply,
     resolve_tool_parser,
+    send_sse,
 )
+from areal_cli.data.requests import check_request, check_room
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.inference.guards import bind_problem, weight_path_problem
@@ -396,8 +400,10 @@ class InferenceServer:
         }
         return web.json_response({"object": "list", "data": [card]})
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
+        refuse_unsupported(body, COMPLETION_FIELDS)
+        check_request(body, "completions")
         prompts = _completion_prompts(body.get("prompt"))
         reqs = [self._openai_request(body, prompt) for prompt in prompts]
         outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
@@ -412,15 +418,16 @@ class InferenceServer:
             }
             for i, out in enumerate(outs)
         ]
-        return web.json_response(self._openai_envelope("text_completion", "cmpl", choices, outs))
+        answer = self._openai_envelope("text_completion", "cmpl", choices, outs)
+        if body.get("stream"):
+            return await send_sse(request, [answer])
+        return web.json_response(answer)
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
-        tools = body.get("tools")
-        try:
-            prompt = chat_prompt_ids(self.engine.tokenizer, body.get("messages"), tools)
-        except ChatRequestError as err:
-            raise BadRequest(str(err)) from None
+        refuse_unsupported(body, CHAT_FIELDS)
+        check_request(body, "chat")  # ChatRequestError is a ValueError: a 400
+        prompt = chat_prompt_ids(self.engine.tokenizer, body.get("messages"), body.get("tools"))
         out = await self.engine.generate(self._openai_request(body, prompt))
         reply = parse_chat_reply(out.text, body, self.tool_parser)
         choice = {
@@ -431,14 +438,14 @@ class InferenceServer:
             else None,
             "finish_reason": openai_finish(out.finish_reason["type"], reply),
         }
-        return web.json_response(
-            self._openai_envelope("chat.completion", "chatcmpl", [choice], [out])
-        )
+        answer = self._openai_envelope("chat.completion", "chatcmpl", [choice], [out])
+        if body.get("stream"):
+            return await send_sse(request, chat_chunks(answer))
+        return web.json_response(answer)
 
     def _openai_request(self, body: dict[str, Any], prompt: str | list[int]) -> GenerateRequest:
-        """Map OpenAI sampling fields (plus SGLang extras) onto a GenerateRequest; a field
-        the server cannot honour is refused, never dropped (`refuse_unsupported`)."""
-        refuse_unsupported(body, CHAT_FIELDS if "messages" in body else COMPLETION_FIELDS)
+        """Map OpenAI sampling fields (plus SGLang extras), checked already
+        (`refuse_unsupported`, data.requests), onto a GenerateRequest."""
         params = SamplingParams.from_dict(
             {
                 "temperature": body.get("temperature"),
@@ -455,10 +462,10 @@ class InferenceServer:
             ids = self.engine.tokenizer(prompt)["input_ids"]
         else:
             ids = prompt
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        check_room(limit, len(ids), self.engine.context_length)
         # OpenAI's default is "as long as the context allows".
-        room = max(1, self.engine.context_length - len(ids))
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or room
-        params = replace(params, max_new_tokens=min(int(limit), room))
+        params = replace(params, max_new_tokens=int(limit or self.engine.context_length - len(ids)))
         return GenerateRequest(input_ids=list(ids), sampling_params=params, return_logprob=True)
 
     def _openai_envelope(
@@ -520,15 +527,13 @@ _WHY = {
 
 def refuse_unsupported(body: dict[str, Any], allowed: frozenset[str]) -> None:
     """BadRequest naming the first field (or value) of an OpenAI request that this server
-    cannot honour: unknown fields, streaming, n > 1, stop strings, top alternatives."""
+    cannot honour: unknown fields, n > 1, stop strings, top alternatives."""
     for key in body:
         if key not in allowed:
             raise BadRequest(
                 f"'{key}' is not supported: {_WHY.get(key, 'this server does not implement it')}; "
                 "leave it out"
             )
-    if body.get("stream"):
-        raise BadRequest("'stream' is not supported: this server answers in one response")
     if body.get("n") not in (None, 1):
         raise BadRequest("'n' is not supported above 1; send one request per sample")
     if body.get("stop"):

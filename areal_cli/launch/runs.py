@@ -64,8 +64,11 @@ def start_record(
     write_record(run_dir, record)
 
 
-def submitted_record(cfg: Any, run_dir: Path, recipe: str, job_id: str) -> None:
-    """A Slurm job was submitted for the run; its controller has not started yet."""
+def submitted_record(
+    cfg: Any, run_dir: Path, recipe: str, job_id: str | None, failed: str = ""
+) -> None:
+    """A Slurm job was submitted for the run, and its controller has not started yet; or
+    with `failed`, the submission failed for that reason (no job)."""
     record = {
         "experiment": cfg.experiment_name,
         "trial": cfg.trial_name,
@@ -77,8 +80,10 @@ def submitted_record(cfg: Any, run_dir: Path, recipe: str, job_id: str) -> None:
         "recipe": recipe,
         "total_steps": cfg.total_train_steps,
         "started": time.time(),
-        "state": "pending",
+        "state": "failed" if failed else "pending",
     }
+    if failed:
+        record["error"] = failed
     write_record(run_dir, record)
 
 
@@ -268,13 +273,16 @@ def _registered(run_dir: Path, name: str) -> str:
 
 
 def ps_lines(run_dirs: list[Path]) -> list[str]:
-    """`areal ps`: a header and one aligned line per run."""
-    rows = [("EXPERIMENT", "TRIAL", "LAUNCHER", "JOB", "STATE", "STEP", "LAST", "AGE")]
+    """`areal ps`: a header and one aligned line per run; RUN is what `areal status`,
+    `logs` and `stop` take (the run directory, as FILEROOT was given)."""
+    rows = [("EXPERIMENT", "TRIAL", "LAUNCHER", "JOB", "STATE", "STEP", "LAST", "AGE", "RUN")]
     for run_dir in run_dirs:
         v = view(run_dir)
         step = f"{v.step}/{v.total}" if v.total else str(v.step)
         job, launcher = str(v.record.get("job_id") or "-"), str(v.record.get("launcher", "-"))
-        rows.append((*run_dir.parts[-2:], launcher, job, v.state, step, v.score, age(v.age_s)))
+        rows.append(
+            (*run_dir.parts[-2:], launcher, job, v.state, step, v.score, age(v.age_s), str(run_dir))
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
@@ -284,6 +292,8 @@ def status_lines(run_dir: Path) -> list[str]:
     last metrics line."""
     v = view(run_dir)
     out = [f"{run_dir}: {v.state}, step {v.step}/{v.total or '?'}, {v.score}"]
+    if v.record.get("error"):
+        out.append(f"  error: {v.record['error']}")
     here = v.record.get("host") == socket.gethostname()
     if v.record.get("job_id"):
         out.append(f"  slurm job {v.record['job_id']}, controller on {v.record.get('host')}")

@@ -24,9 +24,12 @@ def submit_run(
     resume: bool,
     echo: Callable[[str], None],
     warn: Callable[[str], None],
+    error: Callable[[str], None],
 ) -> int:
     """Check the data, write the run's files and the batch script, and submit it; returns
-    the exit code. FileExistsError or DatasetError before anything is submitted."""
+    the exit code. FileExistsError or DatasetError before anything is submitted. A
+    submission that fails is an error (exit 1), and the run is recorded as failed with
+    the reason, which `areal ps` and `status` show."""
     from areal_cli.config.loader import to_yaml
     from areal_cli.launch import runs
     from areal_cli.launch.train import read_data
@@ -52,7 +55,8 @@ def submit_run(
     try:
         job_id = run_slurm(["sbatch", "--parsable", str(script)], env=env).strip().split(";")[0]
     except SlurmError as exc:
-        warn(str(exc))
+        runs.submitted_record(cfg, run_dir, str(recipe), None, failed=str(exc))
+        error(f"{exc}; nothing was submitted: run the same command again once Slurm answers")
         return 1
     runs.submitted_record(cfg, run_dir, str(recipe), job_id)
     echo(f"submitted Slurm job {job_id} for {run_dir} ({script})")

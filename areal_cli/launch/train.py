@@ -37,6 +37,7 @@ from areal_cli.launch.restarts import Restarter
 from areal_cli.launch.watchdog import RunStuck, watch
 from areal_cli.rollout.controller import LoopHooks, RolloutData, ServerAddress, run_loop
 from areal_cli.rollout.metrics import steps_in
+from areal_cli.rollout.phases import ServerTurn
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
@@ -134,7 +135,7 @@ def _loop(
     restarter: Restarter,
     backend: str | None,
     weight_group: GroupSpec | None = None,
-    colocated: bool = False,
+    colocated: ServerTurn | None = None,
 ) -> Awaitable[None]:
     """The controller's loop from `start_step`: the rollout loop, or for a supervised role
     the follower of the trainer's lines."""
@@ -324,11 +325,13 @@ def _start_and_train(
     sink.start(cfg, start_step)
     restarter = Restarter(runner, cfg.launcher.restarts, sink)
     restarter.on_restart = lambda: runs.update_children(run_dir, runner.pids())
+    # the servers outlive each loop: whether they are released for a training turn too
+    turn = ServerTurn() if plan.allocation.colocated else None
     while True:
         group = GroupSpec.from_json(plan.weight_group) if plan.weight_group else None
         loop = _loop(
             loaded, run_dir, servers, start_step, sink, data, restarter, plan.backend, group,
-            colocated=plan.allocation.colocated,
+            colocated=turn,
         )  # fmt: skip
         try:
             asyncio.run(loop)

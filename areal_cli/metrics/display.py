@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.measure import Measurement
+from rich.progress import ProgressColumn
+from rich.table import Column, Table
+from rich.text import Text
 
 from areal_cli.rundir.paths import RunDir
 from areal_cli.rundir.records import is_eval_row
@@ -71,11 +74,13 @@ class Sink:
         self._tb = None
         self._wandb = None
         self._started = time.monotonic()
+        self._start_step = 1
 
     # -- lifecycle
     def start(self, cfg: Any, start_step: int) -> None:
         """The run starts (or resumes) at step `start_step`: start_step-1 steps are done."""
         self._started = time.monotonic()
+        self._start_step = start_step
         self._open_writers()
         if self.live:
             self._progress = progress_bar("train", self.console, with_info=True)
@@ -145,7 +150,8 @@ class Sink:
         history = read_metrics(paths.metrics)
         if not history:
             return
-        self._print(self.console, summary_table(history, time.monotonic() - self._started))
+        elapsed = time.monotonic() - self._started
+        self._print(self.console, summary_table(history, elapsed, self._start_step))
         if any("reward_mean" in h for h in history):
             path = plot_reward_curve(history, paths.reward_curve)
         else:  # a supervised role
@@ -205,29 +211,91 @@ class Sink:
             self._progress = None
 
 
+ETA_AFTER = 5  # steps done before a time left is shown: the first ones include start-up
+
+
+class Eta:
+    """Time left from the rate since the first finished step: the start-up before it
+    (imports, building the model) is not a step, and one rate over every step since
+    moves little from one step to the next, where a short window swings with the load."""
+
+    def __init__(self) -> None:
+        self._first: tuple[float, int] | None = None
+
+    def left(self, done: int, total: int, now: float) -> float | None:
+        """Seconds left at `done` of `total` steps at time `now` (None: not known yet)."""
+        if done > 0 and self._first is None:
+            self._first = (now, done)
+        if self._first is None or done >= total:
+            return None
+        since, at = self._first
+        if done - at < min(ETA_AFTER, total - at) or now <= since:
+            return None
+        return (total - done) * (now - since) / (done - at)
+
+
 def progress_bar(label: str, console: Console, with_info: bool = False):
-    """A rich progress bar: label, bar, N/M, time elapsed and left (and a free-text
-    `info` field of the task, with `with_info`)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    """A rich progress bar: label, N/M, time elapsed and left, bar (and the task's `info`
+    field, with `with_info`). On a narrow terminal the info gives way first, dropping
+    its last parts, so the step count and the time left always show."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = [
-        TextColumn(f"[bold]{label}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
+        TextColumn(f"[bold]{label}", table_column=Column(no_wrap=True)),
+        MofNCompleteColumn(table_column=Column(no_wrap=True)),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+        _EtaColumn(table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=16 if with_info else None),
     ]
     if with_info:
-        columns.append(TextColumn("{task.fields[info]}"))
-    return Progress(*columns, console=console)
+        columns.append(_InfoColumn(table_column=Column(no_wrap=True, ratio=1, min_width=0)))
+    return Progress(*columns, console=console, expand=with_info)
+
+
+class _EtaColumn(ProgressColumn):
+    """`eta H:MM:SS` by the rule of `Eta`, `eta -:--:--` until it is known."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._etas: dict[Any, Eta] = {}
+
+    def render(self, task: Any) -> Text:
+        eta = self._etas.setdefault(task.id, Eta())
+        left = eta.left(int(task.completed), int(task.total or 0), time.monotonic())
+        if left is None:
+            return Text("eta -:--:--", style="progress.remaining")
+        minutes, seconds = divmod(int(left + 0.5), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"eta {hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
+
+class _InfoColumn(ProgressColumn):
+    """The task's `info`: a line of parts joined by two spaces, as many as fit."""
+
+    def render(self, task: Any) -> Any:
+        return _Fitted(str(task.fields.get("info", "")))
+
+
+class _Fitted:
+    """Text that keeps as many of its parts (separated by two spaces) as fit the width
+    it is given, and cuts a single part that does not."""
+
+    def __init__(self, text: str) -> None:
+        self.parts = text.split("  ")
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        width, kept = options.max_width, ""
+        for part in self.parts:
+            joined = f"{kept}  {part}" if kept else part
+            if len(joined) > width:
+                break
+            kept = joined
+        if not kept and self.parts:
+            kept = self.parts[0][: max(0, width - 1)] + ("\u2026" if width > 0 else "")
+        yield Text(kept, no_wrap=True, overflow="crop")
+
+    def __rich_measure__(self, console: Any, options: Any) -> Measurement:
+        return Measurement(0, len("  ".join(self.parts)))
 
 
 class BuildProgress:
@@ -244,23 +312,19 @@ class BuildProgress:
         self._started = time.monotonic()
         self._last = 0.0
         self._done = -1
-        self._first: tuple[float, int] | None = None
+        self._eta = Eta()
 
     def __call__(self, done: int, total: int) -> None:
         if self.live:
             self._update_bar(done, total)
             return
         now = time.monotonic()
-        if done > 0 and self._first is None:
-            self._first = (now, done)  # the rate counts from here, not from the start-up
+        seconds_left = self._eta.left(done, total, now)  # counts from the first step
         if done == self._done or (now - self._last < self.every_s and done < total):
             return
         self._done, self._last = done, now
         elapsed = now - self._started
-        left = ""
-        if self._first is not None and done > self._first[1] and done < total:
-            rate = (done - self._first[1]) / (now - self._first[0])
-            left = f", ~{(total - done) / rate:.0f} s left"
+        left = f", ~{seconds_left:.0f} s left" if seconds_left is not None else ""
         self.console.print(
             f"[areal] {self.label}: step {done}/{total}, {elapsed:.0f} s{left}", markup=False
         )
@@ -312,10 +376,15 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return sorted(rows, key=lambda r: r["step"])
 
 
-def summary_table(history: list[dict[str, float]], elapsed_s: float) -> Table:
-    """First, last-5 mean and overall figures of a run."""
+def summary_table(history: list[dict[str, float]], elapsed_s: float, start_step: int = 1) -> Table:
+    """First, last-5 mean and overall figures of a run; its title says how many steps this
+    process ran in `elapsed_s`, from `start_step` on (a resumed run ran the rest only)."""
     steps = [h for h in history if not is_eval_row(h)]  # eval rows: their own figures
-    table = Table(title=f"{len(steps)} steps in {elapsed_s:.0f}s")
+    ran = [h["step"] for h in steps if h["step"] >= start_step]
+    title = f"{len(ran)} steps in {elapsed_s:.0f}s"
+    if start_step > 1 and ran:
+        title += f" (steps {min(ran)}\u2013{max(ran)})"
+    table = Table(title=title)
     for column in ("metric", "first step", "last 5 steps", "all steps"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for key in SHOWN:

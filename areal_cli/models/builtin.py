@@ -8,7 +8,11 @@
 
 Each (name, seed) is built once into the cache (`$AREAL_CACHE_DIR`, default
 `~/.cache/areal`), atomically, and then linked into the run directory. Builds are
-deterministic, so a cached copy equals a fresh one. Two processes that need the same
+deterministic on one kind of CPU, so a cached copy equals a fresh one there. Across CPU
+kinds they are not bit for bit: torch's kernels for AMX, AVX-512 and AVX2 round
+differently, and a few hundred training steps carry the difference into the weights. So
+a warm-up must end well past what it is meant to teach, with a margin that such
+differences cannot eat (tiny_tool_sft.yaml says how much tiny-tool's has). Two processes that need the same
 model at once (two demos started together) build it once: the second waits on a lock file
 beside the cache folder, then uses what the first built.
 
@@ -27,6 +31,7 @@ from pathlib import Path
 from areal_cli.config.schema import BUILTIN_MODELS
 
 BUILD_VERSION = "v4"  # bump when a builder changes what it builds, so caches are not reused
+MODEL_VERSIONS = {"tiny-tool": "v5"}  # a builder that changed alone: its own version
 Progress = Callable[[int, int], None]  # (steps done, steps in all) of a build
 # Builds a model that an SFT run makes (NAME, OUT, seed, progress): launch.builtins gives it.
 BuildSFT = Callable[[str, Path, int, Progress | None], object]
@@ -69,7 +74,7 @@ def cached_path(name: str, seed: int) -> Path:
     """Where builtin model `name` for `seed` is (or will be) cached."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown builtin model {name!r}; choose from {', '.join(BUILTIN_MODELS)}")
-    return cache_dir() / "models" / f"{name}-seed{seed}-{BUILD_VERSION}"
+    return cache_dir() / "models" / f"{name}-seed{seed}-{MODEL_VERSIONS.get(name, BUILD_VERSION)}"
 
 
 def is_built(name: str, seed: int) -> bool:

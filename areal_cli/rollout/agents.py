@@ -36,34 +36,17 @@ completion (agent_empty); the run goes on.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from areal_cli.config.recipe_code import RecipeCodeError, load_function
+from areal_cli.config.recipe_code import AgentRun
 from areal_cli.rollout.proxy import AgentProxy, Completion
 from areal_cli.rollout.workflows import EpisodeClient, EpisodeOutcome, Trajectory, Turn
 
 log = logging.getLogger(__name__)
-
-AgentRun = Callable[..., Awaitable[Any]]  # (data, **kwargs) -> reward
-
-
-def load_agent(spec: str, recipe_dir: Path) -> Callable[[], AgentRun]:
-    """A factory of the agent's per-episode entry point: `Name().run` for a class, the
-    function itself for an async function."""
-    found = load_function(spec, recipe_dir)
-    if inspect.isclass(found):
-        if not inspect.iscoroutinefunction(getattr(found, "run", None)):
-            raise RecipeCodeError(f"agent class {spec} needs `async def run(self, data, **kwargs)`")
-        return lambda: found().run
-    if not inspect.iscoroutinefunction(found):
-        raise RecipeCodeError(f"agent {spec} must be an async function or a class with async run")
-    return lambda: found  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

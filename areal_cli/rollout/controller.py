@@ -36,15 +36,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.config.loader import LoadedConfig
+from areal_cli.config.recipe_code import load_agent
 from areal_cli.config.resolve import is_loopback
 from areal_cli.config.schema import ExperimentConfig
-from areal_cli.rollout.agents import AgentRunner, load_agent
+from areal_cli.rollout.agents import AgentRunner
 from areal_cli.rollout.batch import restore_stream, stored_stats
 from areal_cli.rollout.evaluation import Evaluator, eval_task, make_evaluator
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.groups import rollout_task
 from areal_cli.rollout.metrics import MetricsJoin, metrics_task, read_new_lines, steps_in
-from areal_cli.rollout.phases import Phases
+from areal_cli.rollout.phases import Phases, ServerTurn
 from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.state import LoopState, RolloutContext, StepSink
@@ -122,12 +123,13 @@ async def run_loop(
     backend: str,
     hooks: LoopHooks,
     weight_group: GroupSpec | None = None,
-    colocated: bool = False,
+    colocated: ServerTurn | None = None,
 ) -> None:
     """Wait for the servers (of inference backend `backend`), then run the three tasks
     until `hooks.until_trainer_done` returns. `weight_group`: the servers receive weights
     over this group (method distributed) instead of loading them from disk. `colocated`:
-    the servers share the trainer's devices and the two take turns (rollout.phases)."""
+    the servers share the trainer's devices and the two take turns (rollout.phases); the
+    servers' turn, which the caller keeps across loops (None: not colocated)."""
     from areal_cli.inference.client import InferenceClient
     from areal_cli.rollout.rewards import RewardPool
 
@@ -155,6 +157,8 @@ async def run_loop(
         restored = restore_stream(ctx.stream, run_dir, start_step)
         state.next_group = ctx.gate.group_index(start_step) if restored is None else restored
         sink.status(f"training ({len(data.prompts)} prompts)")
+        if ctx.phases is not None:
+            await ctx.phases.begin()  # servers an earlier loop left released stay shut
         evaluator = make_evaluator(
             cfg, run_dir, client, data.tokenizer, data.eval_prompts, loaded.recipe.resolve().parent
         )
@@ -216,7 +220,7 @@ def _context(
     rewards: RewardPool,
     data: RolloutData,
     agents: AgentRunner | None = None,
-    colocated: bool = False,
+    colocated: ServerTurn | None = None,
 ) -> RolloutContext:
     """The loop's long-lived objects (the prompt stream from its start: run_loop restores
     a resumed run's position); with an agent, its episodes are the workflow."""
@@ -230,7 +234,7 @@ def _context(
     else:
         workflow = resolve_workflow(cfg.rollout.workflow, recipe_dir, cfg.rollout.max_turns)
     gate = StalenessGate.from_config(cfg)
-    phases = Phases.for_run(client, run_dir) if colocated else None
+    phases = Phases.for_run(client, run_dir, colocated) if colocated is not None else None
     return RolloutContext(
         cfg, run_dir, client, data.tokenizer, rewards, workflow, stream, gate, phases
     )

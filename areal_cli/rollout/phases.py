@@ -27,6 +27,14 @@ needs a server that is up. A restarted server that comes back inside a training 
 (the handover skipped it: it was down) releases its memory before it takes traffic again
 (ServerRecovery), so the next load resumes it with the others.
 
+The servers outlive a rollout loop: when the trainer dies the controller relaunches it
+and starts a new loop, with a new client, while the servers may still be released for a
+training turn the dead trainer never finished. So whether they are released, and whether
+a training turn is on, live in a `ServerTurn` that the controller keeps across its loops;
+a new loop's `Phases` begins from it (`begin`: the gate stays shut until the servers are
+loaded and resumed, as at the end of any training turn), instead of sending generation to
+servers that hold no memory (the run then waited for the watchdog).
+
 Each step's metrics line has `colocated` 1 and the handover's figures:
   phase_release_s       the calls in flight ending and the servers releasing (before k);
   phase_trainer_wait_s  from vk's publication until the trainer had given back;
@@ -39,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +67,15 @@ def trainer_gave_back(run_dir: Path) -> bool:
     )
 
 
+@dataclass
+class ServerTurn:
+    """The servers' side of the turns, kept by the controller across its rollout loops
+    (see the module docstring)."""
+
+    released: bool = False  # every server gave its memory back and has not resumed it
+    training_turn: bool = False  # from the handover to training until the next load
+
+
 class Phases:
     """The handover between a colocated run's turns (see the module docstring)."""
 
@@ -67,20 +85,45 @@ class Phases:
         trainer_idle: Callable[[], bool],
         poll_s: float = 0.02,
         watcher: handoff.Watcher | None = None,
+        turn: ServerTurn | None = None,
     ) -> None:
         """`trainer_idle()` says whether the trainer has given the devices back; it is
         asked again whenever `watcher` (on the heartbeat folder) sees a heartbeat
-        renamed in, and every `poll_s` without one."""
+        renamed in, and every `poll_s` without one. `turn`: where an earlier loop left
+        the servers (a fresh one when None)."""
         self.client, self.trainer_idle, self.poll_s = client, trainer_idle, poll_s
         self.watcher = watcher
-        self.released = False
-        self.training_turn = False  # from the handover to training until the next load
+        self.turn = turn if turn is not None else ServerTurn()
         self.figures: dict[int, dict[str, float]] = {}  # by step (= the version it makes)
 
     @classmethod
-    def for_run(cls, client: InferenceClient, run_dir: Path) -> Phases:
+    def for_run(
+        cls, client: InferenceClient, run_dir: Path, turn: ServerTurn | None = None
+    ) -> Phases:
         watcher = handoff.Watcher(Path(run_dir) / heartbeat.HEARTBEAT_DIR)
-        return cls(client, lambda: trainer_gave_back(run_dir), 0.5, watcher)
+        return cls(client, lambda: trainer_gave_back(run_dir), 0.5, watcher, turn)
+
+    @property
+    def released(self) -> bool:
+        return self.turn.released
+
+    @released.setter
+    def released(self, value: bool) -> None:
+        self.turn.released = value
+
+    @property
+    def training_turn(self) -> bool:
+        return self.turn.training_turn
+
+    @training_turn.setter
+    def training_turn(self, value: bool) -> None:
+        self.turn.training_turn = value
+
+    async def begin(self) -> None:
+        """A new loop over servers an earlier loop released (its trainer died in a
+        training turn): no generation until they are loaded and resumed (after_load)."""
+        if self.turn.released:
+            await self.client.gate.hold()
 
     def close(self) -> None:
         if self.watcher is not None:

@@ -40,11 +40,14 @@ from aiohttp import web
 
 from areal_cli.data.chat import (
     ChatRequestError,
+    chat_chunks,
     chat_logprobs,
     chat_prompt_ids,
     openai_finish,
     parse_chat_reply,
+    send_sse,
 )
+from areal_cli.data.requests import check_request, check_room
 from areal_cli.rollout.workflows import token_versions
 
 EPISODE_HEADER = "X-Areal-Episode"
@@ -199,8 +202,6 @@ class AgentProxy:
         reply = parse_chat_reply(done.text, body, self.settings.tool_parser)
         # stop, length and abort are their own OpenAI names, so this only adds tool_calls
         done.finish_reason = openai_finish(done.finish_reason, reply)
-        if body.get("stream"):
-            return await self._stream_chat(request, done, reply.message())
         choice = {
             "index": 0,
             "message": reply.message(),
@@ -211,7 +212,10 @@ class AgentProxy:
             else None,
             "finish_reason": done.finish_reason,
         }
-        return web.json_response(self._envelope("chat.completion", done, [choice]))
+        answer = self._envelope("chat.completion", done, [choice])
+        if body.get("stream"):
+            return await send_sse(request, chat_chunks(answer))
+        return web.json_response(answer)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         episode, body = await self._request(request, frozenset({"prompt"}))
@@ -230,7 +234,7 @@ class AgentProxy:
             "finish_reason": done.finish_reason,
         }
         if body.get("stream"):
-            return await self._sse(request, [self._envelope("text_completion", done, [choice])])
+            return await send_sse(request, [self._envelope("text_completion", done, [choice])])
         return web.json_response(self._envelope("text_completion", done, [choice]))
 
     # ------------------------------------------------------------------ the work
@@ -252,15 +256,13 @@ class AgentProxy:
         if not isinstance(body, dict):
             raise ProxyRequestError("the body must be a JSON object")
         _refuse(body, own)
+        check_request(body, "chat" if "messages" in own else "completions")
         return episode, body
 
     def _sampling(self, episode: Episode, body: Mapping[str, Any], n_prompt: int) -> dict:
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        check_room(limit, n_prompt, self.settings.context_length)
         room = self.settings.context_length - n_prompt
-        if room < 1:
-            raise ProxyRequestError(
-                f"the prompt has {n_prompt} tokens; the model's context is "
-                f"{self.settings.context_length}: shorten the conversation"
-            )
         params = dict(self._defaults)
         for ours, theirs in (
             ("temperature", "temperature"),
@@ -269,7 +271,6 @@ class AgentProxy:
         ):
             if body.get(theirs) is not None:
                 params[ours] = body[theirs]
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if limit is not None:
             params["max_new_tokens"] = int(limit)
         params["max_new_tokens"] = min(int(params.get("max_new_tokens", room)), room)
@@ -330,38 +331,6 @@ class AgentProxy:
                 "total_tokens": n_prompt + n_out,
             },
         }
-
-    async def _stream_chat(
-        self, request: web.Request, done: Completion, message: dict[str, Any]
-    ) -> web.StreamResponse:
-        """The whole answer as OpenAI's chunks: the role, the content, each tool call, and
-        the finish reason (the reply is generated first, then sent)."""
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-        if message.get("content"):
-            deltas.append({"content": message["content"]})
-        for i, call in enumerate(message.get("tool_calls", [])):
-            deltas.append({"tool_calls": [{"index": i, **call}]})
-        chunks = [
-            self._envelope(
-                "chat.completion.chunk", done, [{"index": 0, "delta": d, "finish_reason": None}]
-            )
-            for d in deltas
-        ]
-        last = {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
-        chunks.append(self._envelope("chat.completion.chunk", done, [last]))
-        for chunk in chunks[:-1]:
-            chunk.pop("usage")
-        return await self._sse(request, chunks)
-
-    @staticmethod
-    async def _sse(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in chunks:
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
 
 
 def _refuse(body: Mapping[str, Any], own: frozenset[str]) -> None:

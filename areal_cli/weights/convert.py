@@ -280,6 +280,22 @@ def hf_to_dcp(src: Source, tmp: Path, dtype: torch.dtype | None) -> list[handoff
 # ---------------------------------------------------------------- entry point
 
 
+FORMAT_WORDS = {"hf": "hf", "huggingface": "hf", "safetensors": "hf", "dcp": "dcp"}
+
+
+def named_format(folder: Path) -> str | None:
+    """The format a folder's name suggests ("hf_out" -> hf, "model-dcp" -> dcp), if any."""
+    import re
+
+    words = {FORMAT_WORDS.get(w) for w in re.split(r"[^a-z0-9]+", folder.name.lower())}
+    found = words - {None}
+    return found.pop() if len(found) == 1 else None
+
+
+FORMAT_NAMES = {"hf": "HF folder", "dcp": "DCP checkpoint"}
+ARTICLE = {"hf": "an", "dcp": "a"}
+
+
 def convert(
     src_path: Path,
     dst: Path,
@@ -306,6 +322,13 @@ def convert(
     if part != "model" and src.kind != "dcp":
         raise ConvertError(f"--part {part} picks a model inside a DCP checkpoint; {src_path} is HF")
     target = to or ("hf" if src.kind == "dcp" else "dcp")
+    named = named_format(dst)
+    if to is None and named is not None and named != target:
+        raise ConvertError(
+            f"{dst.name} reads like {ARTICLE[named]} {FORMAT_NAMES[named]}, but {src_path} is already "
+            f"{src.kind.upper()}, so it would become {target.upper()}; pass --to {target} "
+            "to write that, or name the output otherwise"
+        )
     if target == src.kind:
         raise ConvertError(
             f"{src_path} is already {src.kind.upper()}; use --to {'hf' if target == 'dcp' else 'dcp'}"

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import REPO, free_port
 from tests.e2e.test_train import _assert_no_processes_left
+from tests.inference.bad_requests import BAD_CHAT, bad_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -94,8 +95,29 @@ import asyncio
 import random
 
 
+import json
+import os
+
+
+async def malformed(kwargs):
+    """Send every malformed request of BAD_TABLE; each answer's status and text go to
+    BAD_LOG (one JSON line each)."""
+    with open(os.environ["BAD_TABLE"]) as f:
+        table = json.load(f)
+    lines = []
+    for body, named in table:
+        reply = await kwargs["http_client"].post(
+            kwargs["base_url"] + "/chat/completions", content=json.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
+        lines.append(json.dumps([named, reply.status_code, reply.text[:300]]) + "\\n")
+    with open(os.environ["BAD_LOG"], "a") as f:
+        f.write("".join(lines))
+
+
 class CrowdAgent:
-    """One in six raises, one in six hangs past the timeout, the rest answer."""
+    """One in six raises, one in six hangs past the timeout, one in six sends malformed
+    requests first, the rest answer."""
 
     async def run(self, data, **kwargs):
         roll = random.random()
@@ -103,6 +125,8 @@ class CrowdAgent:
             raise RuntimeError("a bug in the agent")
         if roll < 2 / 6:
             await asyncio.sleep(3600)
+        if roll < 3 / 6:
+            await malformed(kwargs)
         return await answer(data, **kwargs)
 '''
 )
@@ -112,12 +136,20 @@ def test_a_rough_crowd_of_64_episodes_finishes_its_steps(tmp_path: Path) -> None
     code = tmp_path / "code"
     code.mkdir()
     (code / "crowd_agent.py").write_text(CROWD)
+    table, bad_log = code / "bad.json", code / "bad.log"
+    table.write_text(json.dumps([[bad_body(change), named] for change, named in BAD_CHAT]))
     rows = _train(
         tmp_path, 3, "rollout.agent=crowd_agent:CrowdAgent", "rollout.agent_timeout_s=3",
         "rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent_rollouts=16",
         "rollout.max_staleness=0", "rollout.agent_samples=individual",
-        env={"PYTHONPATH": str(code)},
+        env={"PYTHONPATH": str(code), "BAD_TABLE": str(table), "BAD_LOG": str(bad_log)},
     )  # fmt: skip
+    # malformed requests in real episodes: each a 400 naming its field; none made a
+    # completion (individual samples: one per completion, so none made a sample)
+    answers = [json.loads(line) for line in bad_log.read_text().splitlines()]
+    assert answers and len(answers) % len(BAD_CHAT) == 0
+    wrong = [a for a in answers if a[1] != 400 or a[0] not in a[2]]
+    assert not wrong, wrong[:5]
     assert [r["step"] for r in rows] == [1, 2, 3]
     # individual samples: one per completion of a finished episode (an episode that timed
     # out after its request, on a loaded machine, made a completion but no sample)

@@ -20,8 +20,9 @@ from tests.e2e.test_train import _args, _run_dir
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _served_path(model: Path, log: Path) -> str:
-    """Start `areal serve MODEL`, return the model_path it reports, stop it."""
+def _served_path(model: Path, log: Path) -> tuple[str, str]:
+    """Start `areal serve MODEL`, return the model_path and weight_version it reports,
+    stop it."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_cli.cli", "serve", str(model), "--port", str(port),
@@ -33,7 +34,8 @@ def _served_path(model: Path, log: Path) -> str:
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/model_info", timeout=2) as r:
-                    return json.loads(r.read())["model_path"]
+                    info = json.loads(r.read())
+                    return info["model_path"], info["weight_version"]
             except OSError:
                 assert proc.poll() is None, proc.stdout.read()
                 assert time.monotonic() < deadline, "serve did not come up"
@@ -51,9 +53,11 @@ def test_serve_and_convert_take_a_run_directory_and_its_entries(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     run_dir = _run_dir(runs)
     newest = max((run_dir / "weights").iterdir(), key=lambda p: int(p.name[1:]))
-    assert _served_path(run_dir, tmp_path / "a.log") == str(newest)
+    # served under the version it holds, as the run's servers label it
+    assert _served_path(run_dir, tmp_path / "a.log") == (str(newest), newest.name[1:])
     checkpoint = next((run_dir / "checkpoints").iterdir())
-    assert _served_path(checkpoint, tmp_path / "b.log") == str(checkpoint)
+    step = checkpoint.name.removeprefix("step-")
+    assert _served_path(checkpoint, tmp_path / "b.log") == (str(checkpoint), step)
 
     converted = run_areal("convert-checkpoint", str(run_dir), str(tmp_path / "dcp"), "--verify")
     assert converted.returncode == 0, converted.stderr

@@ -28,6 +28,7 @@ def _state(fileroot: Path) -> list[str]:
         "STEP",
         "LAST",
         "AGE",
+        "RUN",
     ]
     return out[1].split()
 

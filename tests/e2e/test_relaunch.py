@@ -147,3 +147,33 @@ def test_a_killed_server_is_restarted_with_the_current_weights(tmp_path: Path, l
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert rows[-1]["server_restarts"] == 1 and "requests_reissued" in rows[-1]
     _assert_no_processes_left(run_dir)
+
+
+def test_a_colocated_trainer_killed_in_its_training_turn_takes_its_turn_again(
+    tmp_path: Path,
+) -> None:
+    """Colocated, the trainer killed while it steps (the server has released its memory):
+    the relaunched trainer takes its turn like the first one, the servers are resumed
+    and loaded once it has given the devices back, and the run finishes. (Before, the new
+    rollout loop sent generation to the released server, and the run stalled until the
+    watchdog stopped it.)"""
+    run_dir = _run_dir(tmp_path)
+    steps = 10
+    args = _args(tmp_path, steps, *LAYOUTS["colocated"], "recover.freq_steps=1")
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for(lambda: len(_metrics(run_dir)) >= 2, 300, proc)
+        _when_released(_server_pid(run_dir))  # a training turn
+        beat = json.loads((run_dir / "heartbeat" / "trainer-0.json").read_text())
+        os.kill(beat["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "relaunching the trainer from" in out, out[-4000:]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["trainer_restarts"] == 1 and all(r["colocated"] == 1 for r in rows)
+    _assert_no_processes_left(run_dir)

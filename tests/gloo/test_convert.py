@@ -57,8 +57,17 @@ def test_round_trip_is_bit_exact_and_serves(
     )
     assert first.returncode == 0, first.stderr
     assert "max |logit difference| = 0" in first.stdout
-    assert run_areal("convert-checkpoint", str(hf1), str(dcp), "--verify").returncode == 0
+    to_dcp = run_areal("convert-checkpoint", str(hf1), str(dcp), "--verify")
+    assert to_dcp.returncode == 0
+    assert f"converted HF folder {hf1} -> DCP checkpoint {dcp} in " in to_dcp.stdout
     assert (dcp / "dcp" / ".metadata").exists()
+    # an output named like the format SRC already is: refused without --to, taken with it
+    named = areal_in_process("convert-checkpoint", str(hf1), str(tmp_path / "hf_out"))
+    assert named.returncode == 2 and not (tmp_path / "hf_out").exists()
+    assert "hf_out reads like an HF folder, but" in named.stderr
+    assert "so it would become DCP; pass --to dcp" in named.stderr
+    told = areal_in_process("convert-checkpoint", str(hf1), str(tmp_path / "hf_out"), "--to", "dcp")
+    assert told.returncode == 0 and (tmp_path / "hf_out" / "dcp" / ".metadata").exists()
     assert (
         run_areal("convert-checkpoint", str(dcp), str(hf2), "--model-config", str(model)).returncode
         == 0

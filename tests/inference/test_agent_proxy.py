@@ -187,6 +187,44 @@ def test_bad_requests_are_named(server: Server, parrot: Path) -> None:
     _with_proxy(server, parrot, body, context_length=1024)
 
 
+def test_malformed_requests_are_400s_naming_the_field_and_change_no_sample(
+    server: Server, parrot: Path
+) -> None:
+    """Every malformed request of the table gets a 400 naming its field; the episode
+    records none of them, and its next valid request samples with the seed it would have
+    had without them (the same tokens as in a fresh episode)."""
+    import aiohttp
+
+    from tests.inference.bad_requests import BAD_CHAT, bad_body
+
+    good = {"model": "x", "messages": ASK_TEXT, "max_tokens": 8, "temperature": 1.0}
+
+    async def body(proxy: AgentProxy, _client: Any) -> None:
+        episode, fresh = proxy.open_episode(seed=11), proxy.open_episode(seed=11)
+        url = proxy.base_url(episode) + "/chat/completions"
+        answers = []
+        async with aiohttp.ClientSession() as http:
+            for change, named in BAD_CHAT:
+                data = json.dumps(bad_body(change))  # NaN as JSON's NaN, as Python sends it
+                async with http.post(
+                    url, data=data, headers={"Content-Type": "application/json"}
+                ) as r:
+                    answers.append((named, r.status, await r.text()))
+            async with http.post(url, json=good) as r:
+                assert r.status == 200
+            async with http.post(proxy.base_url(fresh) + "/chat/completions", json=good) as r:
+                assert r.status == 200
+        wrong = [(n, s, t[:200]) for n, s, t in answers if s != 400 or n not in t]
+        assert not wrong, wrong
+        (record,) = proxy.close_episode(episode)
+        (same,) = proxy.close_episode(fresh)
+        assert (record.prompt_ids, record.output_ids, record.logprobs) == (
+            same.prompt_ids, same.output_ids, same.logprobs,
+        )  # fmt: skip
+
+    _with_proxy(server, parrot, body, context_length=1024)
+
+
 def test_a_proxy_beyond_loopback_needs_the_key(server: Server, parrot: Path) -> None:
     async def body(proxy: AgentProxy, _client: Any) -> None:
         episode = proxy.open_episode(seed=1)

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import free_port
+from tests.inference.bad_requests import BAD_CHAT, bad_body
 
 pytestmark = pytest.mark.slow
 
@@ -231,7 +232,6 @@ def test_openai_clients(server: Server) -> None:
         ({"functions": [{"name": "f"}]}, "'functions'"),
         ({"n": 2}, "'n'"),
         ({"top_logprobs": 3, "logprobs": True}, "'top_logprobs'"),
-        ({"stream": True}, "'stream'"),
         ({"response_format": {"type": "json_object"}}, "'response_format'"),
     ],
 )
@@ -294,3 +294,29 @@ def test_client_disconnect_aborts_request(server: Server) -> None:
             time.sleep(0.05)
     finally:
         assert server.call("/continue_generation", {})[0] == 200
+
+
+@pytest.mark.parametrize(("change", "named"), BAD_CHAT, ids=[n for _, n in BAD_CHAT])
+def test_a_malformed_chat_request_is_a_400_naming_the_field(
+    server: Server, change: dict, named: str
+) -> None:
+    status, body = server.call("/v1/chat/completions", bad_body(change))
+    assert status == 400, (status, body)
+    assert named in body["error"]["message"], body
+
+
+def test_chat_and_completions_stream(server: Server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    ask = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0.5, "seed": 4}
+    whole = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **ask)
+    chunks = list(
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}], stream=True, **ask
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    streamed = list(client.completions.create(prompt="1+1=", stream=True, **ask))
+    plain = client.completions.create(prompt="1+1=", **ask)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text

@@ -146,7 +146,7 @@ def _problems(*overrides: str) -> list[str]:
 def test_the_agent_recipe_is_valid_and_its_keys_are_checked() -> None:
     assert _problems() == []
     (missing,) = _problems("rollout.agent=agents.arith_retry:NoSuch")
-    assert "rollout.agent: arith_retry.py defines no function 'NoSuch'" in missing
+    assert "rollout.agent: arith_retry.py has no class or function named 'NoSuch'" in missing
     (both,) = _problems("rollout.workflow=multi_turn")
     assert "rollout.workflow: is not read with rollout.agent" in both
     (reward,) = _problems("reward.fn=builtin:numeric")
@@ -156,6 +156,62 @@ def test_the_agent_recipe_is_valid_and_its_keys_are_checked() -> None:
     assert _problems("rollout.proxy.host=0.0.0.0", "inference.api_key=k") == []
     with pytest.raises(ConfigErrors, match="'both' is not one of concat, individual"):
         _problems("rollout.agent_samples=both")
+
+
+AGENT_FILES = {
+    "syntax.py": "def run(:\n    pass\n",
+    "failing.py": "import json\nimport not_a_module_xyz\n\nclass A:\n    async def run(self, d):\n        return 1.0\n",
+    "agents_here.py": (
+        "class Sync:\n    def run(self, data, **kw):\n        return 1.0\n\n"
+        "def plain(data, **kw):\n    return 1.0\n\n"
+        "class NeedsArgs:\n    def __init__(self, x):\n        pass\n"
+        "    async def run(self, data, **kw):\n        return 1.0\n\n"
+        "class NoRun:\n    pass\n\n"
+        "class Good:\n    async def run(self, data, **kw):\n        return 1.0\n\n"
+        "async def good(data, **kw):\n    return 1.0\n"
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("syntax:A", "syntax.py:1: invalid syntax"),
+        ("failing:A", "failing.py:2: importing the agent failed: ModuleNotFoundError"),
+        (
+            "agents_here:Missing",
+            "agents_here.py has no class or function named 'Missing' (it defines: Good, NeedsArgs, NoRun, Sync, good, plain)",
+        ),
+        ("agents_here:Sync", "agents_here:Sync.run must be async"),
+        ("agents_here:plain", "agent agents_here:plain must be an async function"),
+        ("agents_here:NeedsArgs", "must be made with no arguments"),
+        ("agents_here:NoRun", "has no run method"),
+        ("no_colon", "'no_colon' is not module:Name; name it as my_module:MyAgent"),
+        ("agents_here:Good", None),
+        ("agents_here:good", None),
+    ],
+)
+def test_an_agent_is_loaded_and_its_contract_checked_before_anything_starts(
+    tmp_path, spec: str, says: str | None
+) -> None:
+    """validate (and train, before any process) imports the agent: each mistake is one
+    line naming what is wrong, and where."""
+    import shutil
+
+    from tests.conftest import REPO
+
+    for name, text in AGENT_FILES.items():
+        (tmp_path / name).write_text(text)
+    recipe = tmp_path / "tiny_agent.yaml"
+    shutil.copy(REPO / "recipes" / "tiny_agent.yaml", recipe)
+    for sub in ("data", "agents"):
+        (tmp_path / sub).symlink_to(REPO / "recipes" / sub)
+    loaded = load_config(str(recipe), [f"rollout.agent={spec}"])
+    problems = [p.format() for p in check_config(loaded, command="validate").problems]
+    if says is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and says in problems[0], problems
 
 
 def test_the_calculator_agent_offers_the_tool_its_start_model_learned() -> None:

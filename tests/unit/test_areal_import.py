@@ -211,3 +211,29 @@ def test_a_colocated_areal_allocation_imports_as_one_that_takes_turns(tmp_path: 
     processes = json.loads(plan.stdout)["processes"]
     assert sorted({g for p in processes for g in p["gpus"]}) == [0, 1, 2, 3]
     assert processes[-1]["gpus"] == [0, 1, 2, 3] and "--colocated" in processes[-1]["argv"]
+
+
+def test_a_folder_imports_every_yaml_with_a_table(tmp_path: Path) -> None:
+    """import-recipe FOLDER: one row per YAML (imported, or refused and why), each import
+    written under -o; without -o nothing is written and the line says how."""
+    from tests.conftest import areal_in_process
+
+    folder = REPO / "tests" / "assets" / "areal_recipes"
+    out = tmp_path / "out"
+    done = areal_in_process("import-recipe", str(folder), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[1:]}
+    assert rows["gsm8k_grpo.yaml"] == "imported" and rows["gsm8k_grpo_lora.yaml"] == "refused"
+    assert "rollout.use_lora needs LoRA adapters" in done.stdout
+    assert (out / "gsm8k_grpo.yaml").is_file() and not (out / "gsm8k_grpo_lora.yaml").exists()
+    assert done.stderr.strip() == "# 4 of 5 imported"
+    listed = areal_in_process("import-recipe", str(folder))
+    assert listed.returncode == 0 and "pass -o OUT_DIR to write them" in listed.stderr
+    only_refused = tmp_path / "refused"
+    only_refused.mkdir()
+    (only_refused / "a.yaml").write_text((folder / "gsm8k_grpo_lora.yaml").read_text())
+    assert areal_in_process("import-recipe", str(only_refused)).returncode == 2
+    with_script = areal_in_process("import-recipe", str(out), "--script", "x.py")
+    assert (
+        with_script.returncode == 2 and "--script goes with one recipe file" in with_script.stderr
+    )

@@ -213,7 +213,7 @@ CASES = [
         "reward-function-missing",
         BASE + "reward:\n  fn: rewards:scor\n",
         [],
-        ["rewards.py defines no function 'scor'"],
+        ["rewards.py has no class or function named 'scor' (it defines: score)"],
     ),
     (
         "eval-k-too-large",

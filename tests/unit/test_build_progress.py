@@ -72,3 +72,50 @@ def test_a_build_is_announced_only_when_it_happens_and_made_once(
     assert len(said) == 2
     later: list[str] = []
     assert builtin.build_cached("tiny", 0, say=later.append) == built[0] and later == []
+
+
+def test_the_time_left_waits_for_steps_and_counts_from_the_first() -> None:
+    """No estimate from the start-up alone, none before a few steps, then one rate from
+    the first step on (it moves little when one step is slow)."""
+    from areal_cli.metrics.display import ETA_AFTER, Eta
+
+    eta = Eta()
+    assert eta.left(0, 100, 0.0) is None  # start-up: no step yet
+    assert eta.left(1, 100, 20.0) is None  # the first step starts the clock
+    assert eta.left(ETA_AFTER, 100, 24.0) is None  # 4 steps since: not enough
+    assert eta.left(1 + ETA_AFTER, 100, 25.0) == pytest.approx(94 * 1.0)  # 1 s a step
+    assert eta.left(1 + ETA_AFTER + 1, 100, 28.0) == pytest.approx(93 * 8 / 6)  # a slow one
+    assert eta.left(100, 100, 200.0) is None  # done
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_live_step_line_keeps_the_step_and_eta_first_on_a_narrow_terminal(width: int) -> None:
+    """At 80 columns the step count and the time left show whole; the metrics after them
+    drop their last parts to fit instead of cutting the line's start."""
+    from areal_cli.metrics.display import _format, progress_bar
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None)
+    bar = progress_bar("train", console, with_info=True)
+    metrics = {
+        "reward_mean": 0.312, "staleness_mean": 0.0, "staleness_max": 0, "gen_tokens_per_s": 491,
+        "loss": 0.0737, "trainer_step_s": 0.39, "handoff_latency_s": 0.01,
+    }  # fmt: skip
+    bar.add_task("train", total=24, completed=3, info=_format(metrics))
+    console.print(bar.get_renderable())
+    (line,) = out.getvalue().splitlines()
+    assert line.startswith("train  3/24 ") and "eta -:--:--" in line, line
+    assert "reward 0.312" in line and "\u2026" not in line and len(line.rstrip()) <= width
+    if width == 80:
+        assert "handoff" not in line  # dropped whole, not cut
+    else:
+        assert "train 0.39s" in line
+
+
+def test_a_resumed_run_says_how_many_steps_this_process_ran() -> None:
+    from areal_cli.metrics.display import summary_table
+
+    history = [{"step": s, "reward_mean": 0.5, "time": 0.0} for s in range(1, 201)]
+    assert summary_table(history, 74.2).title == "200 steps in 74s"
+    resumed = summary_table(history, 74.2, start_step=106).title
+    assert resumed == "95 steps in 74s (steps 106\u2013200)"

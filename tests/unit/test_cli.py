@@ -29,6 +29,18 @@ def test_train_help_is_frozen() -> None:
         assert option in result.stdout
 
 
+@pytest.mark.parametrize(
+    "command", ["serve", "train", "eval", "convert-checkpoint", "import-recipe"]
+)
+def test_help_off_a_terminal_keeps_every_word_whole(command: str) -> None:
+    """Off a terminal the help wraps instead of cutting words (rich's boxes cut
+    `/update_weights_from_disk` to `/update_weights_from_di…` at 80 columns)."""
+    result = run_areal(command, "--help", env={"COLUMNS": "80"})  # as a pipe is to rich
+    assert result.returncode == 0 and "\u2026" not in result.stdout, result.stdout
+    if command == "serve":
+        assert "/update_weights_from_disk" in result.stdout
+
+
 def test_convert_checkpoint_usage_names_its_arguments() -> None:
     result = run_areal("convert-checkpoint", "--help")
     usage = next(line for line in result.stdout.splitlines() if "Usage:" in line)

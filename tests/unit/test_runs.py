@@ -50,3 +50,22 @@ def test_end_record_is_written_only_by_the_controller_that_started(tmp_path: Pat
     lines = runs.ps_lines([mine, other])
     assert lines[1].split()[:6] == ["exp", "trial", "local", "-", "stopped", "2/10"]
     assert not list(mine.glob(".run.json*"))  # written through a temp file, renamed
+
+
+def test_ps_prints_the_run_argument_and_status_takes_what_ps_names(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """ps's RUN column is what status, logs and stop take; EXPERIMENT/TRIAL, as ps names a
+    run, is found under ./runs (the default FILEROOT); anything else says where to look."""
+    from tests.conftest import areal_in_process
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = _run_dir(tmp_path / "runs")
+    (line,) = areal_in_process("ps").stdout.splitlines()[1:]
+    assert line.split()[:2] == ["exp", "trial"] and line.split()[-1] == "runs/exp/trial"
+    for given in ("runs/exp/trial", "exp/trial", str(run_dir)):
+        status = areal_in_process("status", given)
+        assert status.returncode == 0 and "running, step 0/10" in status.stdout, given
+    missing = areal_in_process("status", "exp/nope")
+    assert missing.returncode == 2 and "`areal ps FILEROOT` lists the runs" in missing.stderr
+    assert "RUN column" in missing.stderr

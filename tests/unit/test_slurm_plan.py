@@ -4,6 +4,7 @@ tests/slurm)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,34 @@ def test_servers_are_found_through_the_registry(tmp_path: Path) -> None:
     cfg.launcher.startup_timeout_s = 0.3
     with pytest.raises(TimeoutError, match="server-0 did not register"):
         server_addresses(cfg, plan, _runner(tmp_path, ["n1"]))
+
+
+def test_a_failed_submission_is_an_error_and_the_run_is_recorded_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sbatch that cannot reach the controller (a stand-in script that fails as Slurm's
+    does: this is the error path) gives one error line and exit 1, no warning, and ps and
+    status show the run as failed with the reason, not as unknown."""
+    from tests.conftest import areal_in_process
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(
+        "#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Unable to contact "
+        "slurm controller (connect failure)' >&2\nexit 1\n"
+    )
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    runs = tmp_path / "runs"
+    done = areal_in_process(
+        "train", "recipes/tiny_cpu.yaml", "launcher.type=slurm", f"cluster.fileroot={runs}"
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: sbatch --parsable ") and "warning" not in done.stderr
+    assert "Unable to contact slurm controller" in done.stderr
+    assert "nothing was submitted" in done.stderr
+    listed = areal_in_process("ps", str(runs)).stdout.splitlines()[1].split()
+    assert listed[4] == "failed"
+    status = areal_in_process("status", str(runs / "tiny-cpu" / "trial0")).stdout
+    assert "failed, step 0/24" in status and "error: sbatch --parsable" in status

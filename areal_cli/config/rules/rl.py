@@ -4,7 +4,7 @@ workflow functions, the eval section, and the weight-update method."""
 from __future__ import annotations
 
 from areal_cli.config.checker import Checker
-from areal_cli.config.recipe_code import spec_problem
+from areal_cli.config.recipe_code import agent_problem, spec_problem
 from areal_cli.config.resolve import is_loopback
 from areal_cli.config.rules.paths import check_dataset
 
@@ -171,14 +171,15 @@ def _check_callable(
     builtins: tuple[str, ...],
     builtin_prefix: bool = True,
     launch: bool = True,
-) -> None:
-    """A reward or workflow spec (see recipe_code.spec_problem)."""
+) -> bool:
+    """A reward, workflow or agent spec (see recipe_code.spec_problem); whether it passed."""
     if not c.valid(key):
-        return
+        return False
     found = spec_problem(spec, builtins, c.loaded.recipe.resolve().parent, builtin_prefix, launch)
     if found is not None:
         message, fix, only_warn = found
         (c.warn if only_warn else c.error)(key, message, fix)
+    return found is None
 
 
 def _check_agent(c: Checker) -> None:
@@ -187,7 +188,11 @@ def _check_agent(c: Checker) -> None:
     rollout = c.cfg.rollout
     if not c.valid("rollout.agent", "rollout.proxy.host") or not rollout.agent:
         return
-    _check_callable(c, "rollout.agent", rollout.agent, (), builtin_prefix=False)
+    if _check_callable(c, "rollout.agent", rollout.agent, (), builtin_prefix=False):
+        # the file is there, parses and defines the name: load it and check its contract
+        problem = agent_problem(rollout.agent, c.loaded.recipe.resolve().parent)
+        if problem is not None:
+            c.error("rollout.agent", problem, "fix the agent so that it loads")
     for key in ("rollout.workflow", "reward.fn"):
         if tuple(key.split(".")) in c.loaded.locations:
             c.error(

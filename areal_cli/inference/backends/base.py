@@ -92,6 +92,7 @@ class ServeOptions:
     insecure_no_api_key: bool = False  # listen beyond loopback without a key (embedded)
     max_running_requests: int | None = None  # None: the backend's default
     context_length: int | None = None  # None: the model's
+    weight_version: str = "0"  # the label it serves under (a run's vN: "N")
 
 
 def accepted(answer: Any) -> bool:

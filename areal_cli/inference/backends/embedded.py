@@ -50,7 +50,10 @@ class Embedded(SGLangRoutes):
         if opts.tp != 1:
             raise ValueError("the embedded backend runs on one device; use --tp 1")
         # "auto" lets the server pick CUDA when present, without importing torch here.
-        args = embedded_args(cfg, opts.model, opts.port, 0, "auto", host=opts.host)
+        args = embedded_args(
+            cfg, opts.model, opts.port, 0, "auto", host=opts.host,
+            weight_version=opts.weight_version,
+        )  # fmt: skip
         for root in opts.weight_roots:
             args += ["--weight-root", root]
         if opts.insecure_no_api_key:
@@ -73,6 +76,7 @@ def embedded_args(
     *,
     host: str = "127.0.0.1",
     served_name: str | None = None,
+    weight_version: str = "0",
 ) -> list[str]:
     """Flags of the embedded server (areal_cli.inference.server); a subset of SGLang's."""
     e = cfg.inference.embedded
@@ -82,7 +86,7 @@ def embedded_args(
         "--dtype",
         e.dtype,
         "--weight-version",
-        "0",
+        weight_version,
         "--max-running-requests",
         str(e.max_running_requests),
         "--random-seed",

@@ -106,7 +106,10 @@ class SGLang(SGLangRoutes):
 
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
         strategy = ParallelStrategy(tensor_parallel_size=opts.tp)
-        return sglang_args(cfg, strategy, opts.model, opts.port, 0, host=opts.host)
+        return sglang_args(
+            cfg, strategy, opts.model, opts.port, 0, host=opts.host,
+            weight_version=opts.weight_version,
+        )  # fmt: skip
 
 
 def sglang_args(
@@ -118,6 +121,7 @@ def sglang_args(
     *,
     host: str = "127.0.0.1",
     served_name: str | None = None,
+    weight_version: str = "0",
 ) -> list[str]:
     """Flags for `python -m sglang.launch_server`, named as in SGLang's server_args.py."""
     s = cfg.inference.sglang
@@ -140,7 +144,7 @@ def sglang_args(
         "--log-level",
         s.log_level,
         "--weight-version",
-        "0",
+        weight_version,
     ]
     args += given(
         {
