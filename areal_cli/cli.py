@@ -313,6 +313,7 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
         getattr(cfg, cfg.algorithm).max_len
         if cfg.algorithm in SUPERVISED
         else cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens,
+        cfg.actor.fsdp.param_dtype or cfg.model.dtype,  # what the model computes in
     )
 
 

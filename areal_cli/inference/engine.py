@@ -503,8 +503,9 @@ class InferenceEngine:
     def _forward(
         self, cache: DynamicCache, last: torch.Tensor | None = None, **inputs: torch.Tensor
     ) -> torch.Tensor:
-        """Run the model; return float32 CPU logits at each row's `last` position (default:
-        the final one), projecting only those positions onto the vocabulary."""
+        """Run the model; return float32 logits at each row's `last` position (default:
+        the final one), projecting only those positions onto the vocabulary. They stay on
+        the model's device: sampling runs there (sampling.sample_tokens)."""
         keep: int | torch.Tensor = 1
         if last is not None:
             keep, last = torch.unique(last, return_inverse=True)
@@ -513,7 +514,7 @@ class InferenceEngine:
                 **inputs, **{self._cache_kwarg: cache}, use_cache=True, logits_to_keep=keep
             )
             logits = out.logits[:, -1] if last is None else out.logits[row_index(last), last]
-        return logits.float().cpu()
+        return logits.float()
 
     def _advance(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
         """Sample one token per sequence, finish those that stop; True = still running."""

@@ -123,7 +123,7 @@ def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
     as one float64 running sum over the whole vocabulary but for draws within float32
     rounding of a block edge, at a third of its cost: the full cumsum, with its float64
     copy, took ~30 ms of a ~290 ms decode step at [128, 49152].
-    The pick always has a nonzero probability.
+    The pick always has a nonzero probability. Runs on `logprobs`' device.
     """
     probs = logprobs.exp()
     rows, vocab = probs.shape
@@ -135,14 +135,14 @@ def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
     blocks = torch.nn.functional.pad(probs, (0, (-vocab) % BLOCK)).view(rows, -1, BLOCK)
     block_cdf = torch.cumsum(blocks.sum(-1).double(), dim=-1)
     total = block_cdf[:, -1]
-    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
+    u = uniforms(seqs, probs.device)
     # u < 1, but u * total may round up to total
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, target[:, None], right=True)[:, 0]
     before = torch.where(
         block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0
     )
-    inside = blocks[torch.arange(rows), block]  # [rows, BLOCK]
+    inside = blocks[torch.arange(rows, device=probs.device), block]  # [rows, BLOCK]
     inner_cdf = torch.cumsum(inside.double(), dim=-1)
     offset = torch.searchsorted(inner_cdf, (target - before)[:, None], right=True)[:, 0]
     # rounding between the two levels may put the draw past the block's own sum: its
@@ -151,23 +151,39 @@ def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
     return block * BLOCK + torch.minimum(offset, last)
 
 
+def uniforms(seqs: list[SeqState], device: torch.device) -> torch.Tensor:
+    """One float64 draw in [0, 1) from each request's own generator (a host RNG, so a
+    seeded request draws the same numbers on any device and in any batch), as one tensor
+    on `device`. A host-to-device copy of a few bytes: it does not wait for the device."""
+    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
+    if device.type == "cpu":
+        return u
+    return u.pin_memory().to(device, non_blocking=True)
+
+
 def sample_tokens(logits: torch.Tensor, seqs: list[SeqState]) -> list[tuple[int, float]]:
-    """Pick the next token and its logprob for each row of `logits` ([B, V], float32, CPU).
+    """Pick the next token and its logprob for each row of `logits` ([B, V], float32, on
+    the model's device). Everything over the vocabulary runs there; only the B picks and
+    their logprobs come back to the host, in one copy (one wait per step on a GPU).
     Full-vocabulary work is done once per step for the whole batch, and skipped where it
     cannot change the result (no greedy row, every temperature 1)."""
-    rows = len(seqs)
+    rows, device = len(seqs), logits.device
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     greedy = sorted(set(range(rows)) - set(drawn))
-    tokens = torch.zeros(rows, dtype=torch.long)
+    tokens = torch.zeros(rows, dtype=torch.long, device=device)
     if greedy:  # greedy picks, on the raw logits as HF does
         tokens[greedy] = torch.argmax(logits if not drawn else logits[greedy], dim=-1)
     temps = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps)[:, None]
+        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=device)[:, None]
     logprobs = torch.log_softmax(logits, dim=-1)
     if drawn:
         part = logprobs if not greedy else logprobs[drawn]
         tokens[drawn] = _draw(part, [seqs[i] for i in drawn])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    # One conversion per step: per-row .item() calls dominate small models.
-    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    if device.type == "cpu":
+        # One conversion per step: per-row .item() calls dominate small models.
+        return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    # float64 holds every token id exactly; one device-to-host copy for both
+    both = torch.stack([tokens.to(torch.float64), chosen.to(torch.float64)]).cpu()
+    return [(int(t), float(lp)) for t, lp in zip(both[0].tolist(), both[1].tolist(), strict=True)]

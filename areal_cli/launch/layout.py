@@ -14,8 +14,12 @@ Memory per rank, in the model's dtype unless said (AdamW keeps two fp32 states):
   gathered block          one decoder layer's weights / t, all-gathered by FSDP2 while
                           it runs
   activations             tokens per micro-batch / c, per layer: 5 hidden + (q + k + v + o
-                          outputs) / t + 4 intermediate / t values, plus the logits
-                          (vocab / t per token, twice: logits and softmax), in fp32
+                          outputs) / t + 4 intermediate / t values, in fp32
+  logits                  tokens per micro-batch / c x vocab / t, twice (the logits and
+                          their gradient) in the compute dtype, plus one chunk's float32
+                          temporaries: the logprobs and entropy are taken chunk by chunk
+                          (trainer.losses.label_logprobs_and_entropy), never as a float32
+                          copy of the whole logits
   attention scores        heads / (t x c) x tokens x min(tokens, longest sequence) fp32 per
                           layer, only where the attention kernel keeps them for backward
                           (no flash kernel). Attention runs per packed sequence
@@ -30,6 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# trainer.losses.CHUNK_ELEMENTS, without importing torch (tests/unit/test_layout.py checks
+# that they agree)
+LOGITS_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -118,8 +125,10 @@ def memory_per_rank(
     dtype: str = "float32",
     optimizer: str = "adamw",
     seq_len: int | None = None,
+    compute_dtype: str | None = None,
 ) -> dict[str, float]:
-    """Bytes per rank of each term in the module docstring, and their total."""
+    """Bytes per rank of each term in the module docstring, and their total; the model
+    computes in `compute_dtype` (mixed precision's param_dtype; default: `dtype`)."""
     size = _BYTES[dtype]
     split, replicated = dims.split_and_replicated()
     shard = (split / tp + replicated) / (dp * cp)
@@ -132,7 +141,9 @@ def memory_per_rank(
         "gradients": shard * size,
         "optimizer": shard * 8 if optimizer == "adamw" else 0.0,
         "gathered block": dims.layer_weights() / tp * size,
-        "activations": local_tokens * (dims.layers * per_token_layer + 2 * dims.vocab / tp) * 4,
+        "activations": local_tokens * dims.layers * per_token_layer * 4,
+        "logits": local_tokens * dims.vocab / tp * 2 * _BYTES[compute_dtype or dtype]
+        + min(local_tokens * dims.vocab / tp, LOGITS_CHUNK_ELEMENTS) * 3 * 4,
         "attention scores": dims.layers * dims.heads / (tp * cp) * tokens * span * 4,
     }
     terms["total"] = sum(terms.values())
@@ -148,13 +159,14 @@ def describe(
     dtype: str,
     optimizer: str,
     seq_len: int | None = None,
+    compute_dtype: str | None = None,
 ) -> list[str]:
     """The lines --dry-run prints about the trainer's layout."""
     lines = [f"mesh dp {dp} x cp {cp} x tp {tp} = {dp * cp * tp} ranks:"]
     lines += ["  " + line for line in rank_grid(dp, cp, tp)]
     lines += sample_layer(dims, dp, cp, tp)
-    memory = memory_per_rank(dims, dp, cp, tp, tokens, dtype, optimizer, seq_len)
-    base = memory_per_rank(dims, 1, 1, 1, tokens, dtype, optimizer, seq_len)
+    memory = memory_per_rank(dims, dp, cp, tp, tokens, dtype, optimizer, seq_len, compute_dtype)
+    base = memory_per_rank(dims, 1, 1, 1, tokens, dtype, optimizer, seq_len, compute_dtype)
     lines.append(
         f"memory per rank (estimate; micro-batches of {tokens} tokens; {dtype}, {optimizer}):"
     )

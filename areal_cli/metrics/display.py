@@ -174,9 +174,9 @@ class Sink:
     # -- writers
     def _open_writers(self) -> None:
         if self.cfg.logging.tensorboard:
-            from tensorboardX import SummaryWriter
+            from areal_cli.metrics.tb_events import ScalarWriter
 
-            self._tb = SummaryWriter(str(RunDir(self.run_dir).tensorboard))
+            self._tb = ScalarWriter(RunDir(self.run_dir).tensorboard)
         wandb_cfg = self.cfg.logging.wandb
         if wandb_cfg.mode != "disabled":
             import wandb

@@ -54,14 +54,65 @@ class _Context:
     size: int
     seq_ids: torch.Tensor  # [T]: the sequence of each token of the whole micro-batch
     _spans: list[tuple[int, int]] | None = None
+    _plans: dict[torch.device, list[_Bucket]] | None = None
 
     def spans(self) -> list[tuple[int, int]]:
-        """[(start, end)] of each sequence in the whole micro-batch, computed once."""
+        """[(start, end)] of each sequence in the whole micro-batch, computed once (the
+        trainer hands the sequence ids over on the host: no device sync)."""
         if self._spans is None:
             ids = self.seq_ids.cpu()
             starts = [0, *(torch.nonzero(ids[1:] != ids[:-1])[:, 0] + 1).tolist()]
             self._spans = list(zip(starts, [*starts[1:], len(ids)], strict=True))
         return self._spans
+
+    def plan(self, device: torch.device) -> list[_Bucket]:
+        """The buckets' index tensors on `device`, built at the first layer and reused by
+        every other layer and by the backward's recompute."""
+        if self._plans is None:
+            self._plans = {}
+        if device not in self._plans:
+            self._plans[device] = plan_buckets(self.spans(), device)
+        return self._plans[device]
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """The sequences of one padded width, as `_bucket_attention` gathers them: `index`
+    [n, width] token positions (padding repeats a valid one), `mask` (None when no row is
+    padded: plain causal attention), `keep` the flat [n * width] positions of the real
+    rows, and `tokens` their positions in the micro-batch (None: every token, in order)."""
+
+    index: torch.Tensor
+    mask: torch.Tensor | None
+    keep: torch.Tensor | None
+    tokens: torch.Tensor | None
+
+
+def plan_buckets(spans: list[tuple[int, int]], device: torch.device) -> list[_Bucket]:
+    """Group `spans` by their width rounded up to BUCKET and build each group's index
+    tensors on the host (from the spans, plain Python), copied to `device` once."""
+    total = spans[-1][1] if spans else 0
+    widths: dict[int, list[tuple[int, int]]] = {}
+    for a, b in spans:
+        widths.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append((a, b))
+    buckets = []
+    for width, chosen in widths.items():
+        offsets = torch.arange(width)
+        starts = torch.tensor([a for a, _ in chosen])
+        lengths = torch.tensor([b - a for a, b in chosen])
+        valid = offsets[None, :] < lengths[:, None]  # [n, width]
+        index = (starts[:, None] + offsets[None, :]).clamp(max=max(total - 1, 0))
+        padded = any(b - a != width for a, b in chosen)  # host arithmetic, no sync
+        mask = keep = None
+        if padded:
+            tril = torch.ones(width, width, dtype=torch.bool).tril()
+            mask = (tril[None, None] & valid[:, None, None, :]).to(device, non_blocking=True)
+            keep = torch.nonzero(valid.reshape(-1))[:, 0].to(device, non_blocking=True)
+        tokens = None
+        if len(widths) > 1:
+            tokens = torch.cat([torch.arange(a, b) for a, b in chosen]).to(device)
+        buckets.append(_Bucket(index.to(device, non_blocking=True), mask, keep, tokens))
+    return buckets
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -145,75 +196,67 @@ class PackedAttention:
                 raise RuntimeError(
                     "the trainer's attention takes packed sequences, not a padding mask"
                 )
-            spans = [(0, query.shape[2])]
+            buckets = plan_buckets([(0, query.shape[2])], query.device)
         else:
-            spans = ctx.spans()
+            buckets = ctx.plan(query.device)
         if ctx is not None and ctx.size > 1:
             query, key, value = (sequence_to_heads(t, ctx) for t in (query, key, value))
         groups = query.shape[1] // key.shape[1]
-        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
-        buckets: dict[int, list[int]] = {}  # width -> indices of the sequences padded to it
-        for i, (a, b) in enumerate(spans):
-            buckets.setdefault(-(-(b - a) // BUCKET) * BUCKET, []).append(i)
-        if len(buckets) == 1:  # every sequence, in token order
-            out = _bucket_attention(query, key, value, spans, next(iter(buckets)), dropout, scaling)
+        if len(buckets) == 1 and buckets[0].tokens is None:  # every sequence, in token order
+            out = _bucket_attention(query, key, value, buckets[0], groups, dropout, scaling)
         else:
             out = torch.empty_like(query)
-            for width, members in buckets.items():
-                chosen = [spans[i] for i in members]
-                rows = _bucket_attention(query, key, value, chosen, width, dropout, scaling)
-                out = out.index_copy(2, _token_index(chosen, query.device), rows)
+            for bucket in buckets:
+                rows = _bucket_attention(query, key, value, bucket, groups, dropout, scaling)
+                out = out.index_copy(2, bucket.tokens, rows)
         if ctx is not None and ctx.size > 1:
             out = heads_to_sequence(out, ctx)
         return out.transpose(1, 2).contiguous(), None
-
-
-def _token_index(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """The token positions of `spans`, in order."""
-    return torch.cat([torch.arange(a, b, device=device) for a, b in spans])
 
 
 def _bucket_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    spans: list[tuple[int, int]],
-    width: int,
+    bucket: _Bucket,
+    groups: int,
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Causal attention of the sequences `spans` of [1, H, T, d], each padded to `width`,
-    in one SDPA call on [n, H, width, d]; returns [1, H, sum of lengths, d], the real rows
-    in span order. Without padding (every length is `width`) the call is a plain causal
-    one; otherwise a mask also hides each row's padding keys (a padding query still sees
-    key 0, so no row is all -inf)."""
-    device = query.device
-    starts = torch.tensor([a for a, _ in spans], device=device)
-    lengths = torch.tensor([b - a for a, b in spans], device=device)
-    offsets = torch.arange(width, device=device)
-    valid = offsets[None, :] < lengths[:, None]  # [n, width]
-    index = (starts[:, None] + offsets[None, :]).clamp(max=query.shape[2] - 1)
+    """Causal attention of one bucket's sequences of [1, H, T, d], each padded to the
+    bucket's width, in one SDPA call on [n, H, width, d]; returns [1, H, sum of lengths,
+    d], the real rows in span order. Without padding the call is a plain causal one;
+    otherwise a mask also hides each row's padding keys (a padding query still sees key 0,
+    so no row is all -inf). Everything it indexes with was planned before the forward
+    (`plan_buckets`): no host sync here.
+
+    Grouped-query attention (`groups` query heads per key/value head): SDPA's own
+    `enable_gqa` where it reads K and V in place (causal, unmasked; and on the CPU),
+    else the key/value heads are repeated as before (a masked CUDA call would otherwise
+    leave the memory-efficient kernel, which has no grouped mode, for the math one)."""
+    n, width = bucket.index.shape
 
     def rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, d] -> [n, H, width, d]
-        return x[0][:, index].transpose(0, 1)
+        return x[0][:, bucket.index].transpose(0, 1)
 
-    if bool(valid.all()):
-        mask, causal = None, True
-    else:
-        tril = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        mask, causal = tril[None, None] & valid[:, None, None, :], False
+    gqa = groups > 1 and (bucket.mask is None or query.device.type == "cpu")
+    if groups > 1 and not gqa:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(
         rows(query),
         rows(key),
         rows(value),
-        attn_mask=mask,
+        attn_mask=bucket.mask,
         dropout_p=dropout,
-        is_causal=causal,
+        is_causal=bucket.mask is None,
         scale=scaling,
-    )
-    return out.transpose(0, 1)[:, valid][None]
+        enable_gqa=gqa,
+    )  # [n, H, width, d]
+    if bucket.keep is None:
+        return out.transpose(0, 1).reshape(1, out.shape[1], n * width, out.shape[3])
+    flat = out.transpose(0, 1).reshape(out.shape[1], n * width, out.shape[3])
+    return flat.index_select(1, bucket.keep)[None]
 
 
 def register(cp_size: int = 1) -> PackedAttention:

@@ -421,6 +421,90 @@ def label_logprobs(
     return torch.where(valid, lp, torch.zeros_like(lp))
 
 
+# Positions per chunk of `label_logprobs_and_entropy`: about this many float32 elements of
+# [positions, vocabulary] at once (64 MiB), whatever the vocabulary.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(rows: int, width: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+class _LabelLogprobs(torch.autograd.Function):
+    """`label_logprobs` and the entropy in one pass over the logits, chunk by chunk of
+    positions, without a float32 copy of the whole [T, V]: the forward keeps the logits
+    (as they came: bf16 on a GPU) and each position's logsumexp; the backward writes
+    d lp / d logits = (onehot(label) - softmax(z)) / T chunk by chunk into one gradient
+    in the logits' dtype. With a vocabulary split over ranks, the forward reduces over the
+    shards (one chunk after another, in the same order on every rank) and the backward
+    needs no collective: softmax uses the saved logsumexp, and only the shard holding a
+    label adds its onehot."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, vocab, with_entropy):
+        valid = labels != IGNORE
+        target = torch.where(valid, labels, torch.zeros_like(labels)).long().unsqueeze(-1)
+        rows = logits.shape[0]
+        lp = logits.new_zeros(rows, dtype=torch.float32)
+        lse = logits.new_zeros(rows, dtype=torch.float32)
+        ent = logits.new_zeros(rows, dtype=torch.float32) if with_entropy else None
+        for part in _chunks(rows, logits.shape[-1]):
+            z = _upcast(logits[part]) / temperature
+            lse[part] = _logsumexp(z, vocab)
+            lp[part] = _pick(z, target[part], vocab) - lse[part]
+            if ent is not None:
+                expected = (torch.exp(z - lse[part].unsqueeze(-1)) * z).sum(dim=-1)
+                if vocab is not None:
+                    expected = collectives.sum_over_shards(expected, vocab.group)
+                ent[part] = lse[part] - expected
+        lp = torch.where(valid, lp, torch.zeros_like(lp))
+        ctx.save_for_backward(logits, target, valid, lse)
+        ctx.temperature, ctx.vocab = temperature, vocab
+        if ent is None:
+            return lp, lp.new_zeros(0)
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, _grad_ent):
+        logits, target, valid, lse = ctx.saved_tensors
+        temperature, vocab = ctx.temperature, ctx.vocab
+        grad_lp = torch.where(valid, grad_lp, torch.zeros_like(grad_lp))
+        local, inside = target, None
+        if vocab is not None:
+            local = target - vocab.start
+            inside = (local >= 0) & (local < logits.shape[-1])
+            local = local.clamp(0, logits.shape[-1] - 1)
+        grad = torch.empty_like(logits)
+        for part in _chunks(logits.shape[0], logits.shape[-1]):
+            z = _upcast(logits[part]) / temperature
+            g = torch.exp(z - lse[part].unsqueeze(-1)).mul_(-grad_lp[part].unsqueeze(-1))
+            hit = grad_lp[part].unsqueeze(-1)
+            if inside is not None:
+                hit = torch.where(inside[part], hit, torch.zeros_like(hit))
+            g.scatter_add_(-1, local[part], hit)
+            grad[part] = (g / temperature).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def label_logprobs_and_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    vocab: VocabShard | None = None,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`label_logprobs` (differentiable) and `entropy_from_logits` (not; None without
+    `entropy`) of packed [T, V] logits in one chunked pass that never holds a float32 copy
+    of the whole logits, forward or backward (`_LabelLogprobs`). The same values as the
+    two functions, to float rounding."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    lp, ent = _LabelLogprobs.apply(logits, labels, temperature, vocab, entropy)
+    return lp, (ent if entropy else None)
+
+
 def entropy_from_logits(
     logits: torch.Tensor, temperature: float = 1.0, vocab: VocabShard | None = None
 ) -> torch.Tensor:

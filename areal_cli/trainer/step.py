@@ -137,20 +137,14 @@ def forward_logprobs(
     context = layout.attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"])
     local = {k: v[here].to(device) for k, v in mb.items() if k != "seq_counts"}
     with context:
-        logits = (
-            model(
-                input_ids=local["input_ids"][None],
-                position_ids=local["position_ids"][None],
-                use_cache=False,  # load-bearing: with a cache transformers ignores packing
-            )
-            .logits[0]
-            .float()
-        )
-    logp = losses.label_logprobs(logits, local["labels"], temperature, layout.vocab)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = losses.entropy_from_logits(logits.detach(), temperature, layout.vocab)
+        logits = model(
+            input_ids=local["input_ids"][None],
+            position_ids=local["position_ids"][None],
+            use_cache=False,  # load-bearing: with a cache transformers ignores packing
+        ).logits[0]  # in the model's dtype: the float32 math runs chunk by chunk
+    logp, ent = losses.label_logprobs_and_entropy(
+        logits, local["labels"], temperature, layout.vocab, entropy
+    )
     local["seq_counts"] = mb["seq_counts"].to(device)
     if support is not None:
         local["support_logp"] = losses.support_logprob_mean(

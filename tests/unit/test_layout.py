@@ -46,3 +46,20 @@ def test_dry_run_prints_the_trainer_layout() -> None:
     assert "layers.0.self_attn.o_proj.weight [128, 128]" in out
     assert "rank 1: rows 0:64, columns 64:128" in out  # tp 1 holds the right half
     assert "optimizer" in out and "(one rank alone:" in out
+
+
+def test_the_logits_term_is_split_by_t_and_c_and_follows_the_compute_dtype() -> None:
+    """The logits are kept in the compute dtype (and their gradient), plus one chunk of
+    float32 temporaries of the size the trainer uses (trainer.losses.CHUNK_ELEMENTS)."""
+    from areal_cli.launch.layout import LOGITS_CHUNK_ELEMENTS
+    from areal_cli.trainer.losses import CHUNK_ELEMENTS
+
+    assert LOGITS_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+    one = memory_per_rank(SMALL, 1, 1, 1, tokens=4096)
+    t2 = memory_per_rank(SMALL, 1, 1, 2, tokens=4096)
+    c2 = memory_per_rank(SMALL, 1, 2, 1, tokens=4096)
+    bf16 = memory_per_rank(SMALL, 1, 1, 1, tokens=4096, compute_dtype="bfloat16")
+    chunk = min(4096 * SMALL.vocab, CHUNK_ELEMENTS) * 12
+    assert one["logits"] == pytest.approx(4096 * SMALL.vocab * 2 * 4 + chunk)
+    assert bf16["logits"] == pytest.approx(4096 * SMALL.vocab * 2 * 2 + chunk)
+    assert t2["logits"] < one["logits"] * 0.51 and c2["logits"] < one["logits"] * 0.51

@@ -370,3 +370,38 @@ def test_entropy_from_logits() -> None:
     close(h, [LN(4), 0.0, -(0.25 * LN(0.25) + 0.75 * LN(0.75))])
     # temperature 2 on [0, 2 ln 3] gives the same distribution as T=1 on [0, ln 3]
     close(entropy_from_logits(torch.tensor([0.0, 2 * LN(3)]), temperature=2.0).reshape(1), [h[2]])
+
+
+# ----------------------------------------------------------------------------- chunked logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_elements", [7 * 3, 1 << 24])  # 3 positions a chunk; one chunk
+def test_chunked_logprobs_and_entropy_match_the_plain_functions(
+    dtype: torch.dtype, chunk_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """label_logprobs_and_entropy: the values of label_logprobs and entropy_from_logits,
+    and the same gradient of the logits (in their dtype), chunk by chunk or in one; the
+    IGNORE positions score 0 and take no gradient."""
+    from areal_cli.trainer import losses
+
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(10, 7, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, 7, (10,), generator=gen)
+    labels[[3, 9]] = losses.IGNORE
+    weights = torch.randn(10, generator=gen)
+    a = logits.clone().requires_grad_(True)
+    lp, ent = losses.label_logprobs_and_entropy(a, labels, 0.7)
+    (lp * weights).sum().backward()
+    b = logits.clone().requires_grad_(True)
+    want = losses.label_logprobs(b.float(), labels, 0.7)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(lp, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, entropy_from_logits(logits, 0.7), atol=1e-6, rtol=1e-6)
+    assert a.grad.dtype == dtype and float(lp[3]) == 0.0 and float(lp[9]) == 0.0
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(a.grad, b.grad, atol=tol, rtol=tol)
+    assert not a.grad[3].any() and not a.grad[9].any()
+    none = losses.label_logprobs_and_entropy(logits, labels, 0.7, entropy=False)[1]
+    assert none is None

@@ -99,3 +99,30 @@ def test_gradient_checkpointing_recomputes_with_the_micro_batch_of_the_forward()
         grads.append([t.grad for t in tensors])
     for plain, recomputed in zip(*grads, strict=True):
         torch.testing.assert_close(plain, recomputed, rtol=1e-12, atol=1e-12)
+
+
+def test_the_forward_and_backward_read_nothing_back_from_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every index the attention needs is planned from the sequence ids on the host, once
+    per micro-batch (`_Context.plan`, reused by every layer): the forward and backward
+    never read a tensor's value on the host (`bool`, `item`, `tolist`, `cpu`: a device
+    sync per layer on a GPU). Those are made to fail once the plan exists."""
+    torch.manual_seed(0)
+    lengths = [5, 3, 7, 1, 6, 16]
+    q, k, v = _tensors(sum(lengths))
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    packed = attention.PackedAttention()
+    with packed.micro_batch(None, 1, ids):
+        packed._current.plan(q.device)  # what the first layer does
+
+        def refuse(self, *args, **kwargs):
+            raise AssertionError("a host read of a tensor inside the attention")
+
+        for name in ("__bool__", "item", "tolist", "cpu"):
+            monkeypatch.setattr(torch.Tensor, name, refuse)
+        out, _ = packed(None, q, k, v, None, scaling=0.25)
+        out2, _ = packed(None, q, k, v, None, scaling=0.25)  # a second layer: the same plan
+        (out * out2).sum().backward()
+    monkeypatch.undo()
+    torch.testing.assert_close(out, _reference(q, k, v, lengths), rtol=1e-10, atol=1e-10)
