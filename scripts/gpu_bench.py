@@ -1,9 +1,10 @@
-"""Usage: python scripts/gpu_bench.py [--cpu] [--reps 2] [--skip-generate] [--profile-steps 8]
+"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate]
 
-The embedded engine's speed on one GPU (issue 44), in one run of at most ~5 minutes on an
-H200, against the loop a user has without SGLang or vLLM: transformers' `model.generate`
-on the same device, in the same run. Needs only this repository, torch and transformers
-(no network: the model is built here with random weights).
+The embedded engine's and the trainer's speed on one GPU (issues 44 and 45), each against
+the loop a user has without SGLang, vLLM or a framework, on the same device in the same
+run: transformers' `model.generate` for the engine (~3 minutes on an H200), an afternoon's
+plain PyTorch training loop for the trainer (~3 minutes). Needs only this repository,
+torch and transformers (no network: the model is built here with random weights).
 
   model       SmolLM2-360M's shape (Llama: hidden 960, 32 layers, 15 heads, 5 KV heads,
               intermediate 2560, vocabulary 49152, tied embeddings), random weights, bf16.
@@ -25,6 +26,17 @@ on the same device, in the same run. Needs only this repository, torch and trans
               not decided by rounding): logprobs against a transformers forward (bound
               1e-5), greedy outputs against model.generate for 32 requests of mixed
               lengths, and a seeded request alone against inside a batch of 64.
+  trainer     (--part trainer) areal_cli.trainer.main under torchrun, one rank, FSDP2 with
+              bf16 compute and fp32 reduction, micro-batches of <= 16384 tokens, on 4
+              fixed GRPO batches of 128 sequences: 128 prompt tokens + 384 (equal
+              lengths), then + 16..1024 drawn uniformly (mixed), against the plain loop
+              (fp32 master weights, bf16 autocast, SDPA, fused AdamW, micro-batches padded
+              to their longest sequence, the same token-level policy-gradient loss):
+              tokens/s (real tokens), seconds per step (median of steps 2-4), MFU
+              (6 x parameters x tokens over the bf16 matmul rate measured in the same
+              run) and peak GPU memory of each (the trainer's own record,
+              peak_device_mb), and their ratios (goals: >= 1.0x and MFU >= 30% at equal
+              lengths, >= 1.5x at mixed, less memory).
 
 --cpu runs every part on the CPU with a tiny model and a small batch (CI runs it:
 tests/e2e/test_gpu_bench.py), so the script cannot rot. It prints one table; the exit
@@ -34,6 +46,8 @@ code is 1 when an exactness check fails (speed goals are reported, not enforced)
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import resource
 import shutil
 import statistics
@@ -115,27 +129,25 @@ def build_model(folder: Path, shape: dict, seed: int, dtype: str = "float32") ->
     return folder, f"word-level, {shape['vocab_size']} entries (built here)"
 
 
-def describe(shape: dict, folder: Path) -> str:
-    """'Llama hidden 960, 32 layers, 15/5 heads, ..., 361.8M parameters'."""
+def parameter_count(folder: Path) -> int:
+    """The parameters stored in the folder's safetensors files (a tied head once)."""
     from safetensors import safe_open
 
     count = 0
     for path in folder.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                count += _numel(f, name)
+                count += math.prod(f.get_slice(name).get_shape())
+    return count
+
+
+def describe(shape: dict, folder: Path) -> str:
+    """'Llama hidden 960, 32 layers, 15/5 heads, ..., 361.8M parameters'."""
     return (
         f"Llama hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
         f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads, "
-        f"vocabulary {shape['vocab_size']}, {count / 1e6:.1f}M parameters"
+        f"vocabulary {shape['vocab_size']}, {parameter_count(folder) / 1e6:.1f}M parameters"
     )
-
-
-def _numel(f, name: str) -> int:
-    n = 1
-    for d in f.get_slice(name).get_shape():
-        n *= d
-    return n
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -390,13 +402,211 @@ def check_exactness(work: Path, setup: Setup, device: str) -> list[tuple[str, bo
     return rows
 
 
+# ----------------------------------------------------------------------------- trainer (issue 45)
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """The trainer benchmark's batches: `seqs` sequences of `prompt` tokens plus a
+    completion of `completion` tokens (equal lengths) or drawn uniformly from `mixed`."""
+
+    seqs: int
+    prompt: int
+    completion: int
+    mixed: tuple[int, int]
+    mb_tokens: int
+    steps: int
+
+
+GPU_TRAIN = TrainSetup(128, 128, 384, (16, 1024), 16384, 4)
+CPU_TRAIN = TrainSetup(16, 16, 48, (8, 96), 1024, 4)
+
+
+def completions(setup: TrainSetup, mixed: bool, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    if not mixed:
+        return [setup.completion] * setup.seqs
+    return [rng.randint(*setup.mixed) for _ in range(setup.seqs)]
+
+
+def rollout_batch(setup: TrainSetup, lengths: list[int], vocab: int, seed: int):
+    """A GRPO batch (groups of 4) of random tokens, behaviour logprobs and rewards."""
+    import torch
+
+    from areal_cli.rundir.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for n in lengths:
+        mask = torch.cat([torch.zeros(setup.prompt), torch.ones(n)]).to(torch.int8)
+        seqs.append(
+            {
+                "input_ids": torch.randint(2, vocab, (setup.prompt + n,), generator=gen),
+                "loss_mask": mask,
+                "logprobs": (-torch.rand(setup.prompt + n, generator=gen) * 3 - 1) * mask,
+                "versions": torch.where(mask.bool(), 0, -1).to(torch.int32),
+            }
+        )
+    rewards = torch.randint(0, 2, (len(lengths),), generator=gen).float().tolist()
+    return RolloutBatch.from_sequences(seqs, rewards, 4)
+
+
+def areal_trainer(work: Path, name: str, folder: Path, batches: list, setup: TrainSetup,
+                  device: str) -> tuple[float, float]:  # fmt: skip
+    """`areal_cli.trainer.main` under torchrun, one rank (FSDP2, bf16 compute and fp32
+    reduction on a GPU) on fixed batches: (median seconds of steps 2.., peak memory MiB)."""
+    from areal_cli.rundir.batch import write_batch
+    from tests.gloo.conftest import torchrun, write_config
+
+    for step, batch in enumerate(batches, start=1):
+        write_batch(work / f"{name}-batches", step, batch)
+    keys: dict[str, object] = {
+        "total_train_steps": len(batches),
+        "allocation_mode": "embedded:d1+fsdp:d1",
+        "rollout.batch_size": setup.seqs // 4,
+        "actor.mb_spec.max_tokens_per_mb": setup.mb_tokens,
+        "actor.optimizer.lr": 1e-6,
+    }
+    if device == "cuda":
+        keys |= {"cluster.n_gpus_per_node": 1, "actor.fsdp.param_dtype": "bfloat16",
+                 "actor.fsdp.reduce_dtype": "float32"}  # fmt: skip
+    config = write_config(work / f"{name}.yaml", folder, work / name, **keys)
+    torchrun(1, config, "--batches", str(work / f"{name}-batches"), "--dp", "1", timeout=600)
+    records = [
+        json.loads(line)
+        for line in (work / name / "gloo" / "t" / "logs" / "trainer-metrics.jsonl").read_text().splitlines()
+    ]  # fmt: skip
+    steady = records[1:] or records
+    peak = max(r.get("peak_device_mb") or r["peak_rss_mb"] for r in records)
+    return statistics.median(r["train_s"] for r in steady), peak
+
+
+def plain_loop(folder: Path, batches: list, setup: TrainSetup, device: str) -> tuple[float, float]:
+    """What a user writes in an afternoon: fp32 master weights, bf16 autocast on a GPU,
+    SDPA, fused AdamW, micro-batches of at most `mb_tokens` padded tokens (sequences in
+    order, padded to the longest of their micro-batch), the token-level policy-gradient
+    loss (advantage x importance ratio, mean over the step's trained tokens):
+    (median seconds of steps 2.., peak memory MiB)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation="sdpa").to(device)  # fmt: skip
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for batch in batches:
+        seqs = [batch.sequence(i) for i in range(len(batch.rewards))]
+        groups = batch.rewards.float().view(-1, 4)
+        adv = (groups - groups.mean(1, keepdim=True)).reshape(-1).tolist()
+        trained = sum(int(s["loss_mask"].sum()) for s in seqs)
+        sync(device)
+        start = time.perf_counter()
+        i = 0
+        while i < len(seqs):
+            j, longest = i, 0
+            while j < len(seqs):
+                wider = max(longest, len(seqs[j]["input_ids"]))
+                if (j - i + 1) * wider > setup.mb_tokens:
+                    break
+                longest, j = wider, j + 1
+            j = max(j, i + 1)
+            longest = max(len(s["input_ids"]) for s in seqs[i:j])
+
+            def pad(values: list[torch.Tensor], dtype: torch.dtype, width: int = longest):
+                padded = [F.pad(v.to(dtype), (0, width - len(v))) for v in values]
+                return torch.stack(padded).to(device)
+
+            part = seqs[i:j]
+            ids = pad([s["input_ids"] for s in part], torch.long)
+            mask = pad([s["loss_mask"] for s in part], torch.float32)
+            old = pad([s["logprobs"] for s in part], torch.float32)
+            attn = pad([torch.ones(len(s["input_ids"])) for s in part], torch.long)
+            a = torch.tensor(adv[i:j], device=device)[:, None]
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                logits = model(input_ids=ids, attention_mask=attn).logits
+            logp = -F.cross_entropy(
+                logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+            )
+            ratio = torch.exp(logp - old[:, 1:])
+            loss = -(a * ratio * mask[:, 1:]).sum() / trained
+            loss.backward()
+            del logits, logp, ratio, loss
+            i = j
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20  # fmt: skip
+    del model, optimizer
+    return statistics.median(times[1:] or times), peak
+
+
+def matmul_rate(device: str) -> float:
+    """FLOP/s of a square matmul in the compute dtype (bf16 on a GPU, fp32 on the CPU),
+    best of 5: the denominator of MFU, measured here rather than taken from a datasheet."""
+    import torch
+
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * n**3 / best
+
+
+def bench_trainer(
+    work: Path, setup: Setup, tsetup: TrainSetup, device: str
+) -> list[tuple[str, str]]:
+    """The trainer against the plain loop, at equal and at mixed lengths (the docstring)."""
+    folder, _ = build_model(work / "train-model", setup.shape, 0, "float32")
+    params = parameter_count(folder)
+    rate = matmul_rate(device)
+    vocab = setup.shape["vocab_size"]
+    rows = [("matmul rate (MFU's denominator)", f"{rate / 1e12:,.1f} TFLOP/s "
+             f"({'bf16 8192^3' if device == 'cuda' else 'fp32 1024^3'})")]  # fmt: skip
+    for kind in ("equal", "mixed"):
+        lengths = [completions(tsetup, kind == "mixed", seed=10 + s) for s in range(tsetup.steps)]
+        batches = [rollout_batch(tsetup, ls, vocab, seed=s) for s, ls in enumerate(lengths)]
+        tokens = statistics.mean(sum(tsetup.prompt + n for n in ls) for ls in lengths)
+        ours, ours_peak = areal_trainer(work, f"train-{kind}", folder, batches, tsetup, device)
+        plain, plain_peak = plain_loop(folder, batches, tsetup, device)
+        mfu = lambda s, t=tokens: 6 * params * t / s / rate  # noqa: E731
+        what = (f"{tsetup.seqs} x ({tsetup.prompt} + {tsetup.completion})" if kind == "equal"
+                else f"{tsetup.seqs} x ({tsetup.prompt} + {tsetup.mixed[0]}..{tsetup.mixed[1]})")  # fmt: skip
+        rows.append((f"trainer, {kind} lengths", f"{tokens / ours:,.0f} tokens/s, {ours:.3f} s/step, "
+                     f"MFU {mfu(ours):.1%}, peak {ours_peak:,.0f} MiB ({what}, ~{tokens:,.0f} tokens)"))  # fmt: skip
+        rows.append((f"plain loop, {kind} lengths", f"{tokens / plain:,.0f} tokens/s, {plain:.3f} s/step, "
+                     f"MFU {mfu(plain):.1%}, peak {plain_peak:,.0f} MiB"))  # fmt: skip
+        goal = "goal >= 1.0x, MFU >= 30%" if kind == "equal" else "goal >= 1.5x"
+        rows.append((f"trainer / plain loop, {kind}", f"{plain / ours:.2f}x tokens/s, "
+                     f"{ours_peak / plain_peak:.2f}x peak memory ({goal} on the GPU)"))  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU (CI)")
+    parser.add_argument("--part", default="engine,trainer", help="engine, trainer or both")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=8)
     args = parser.parse_args(argv)
+    parts = set(args.part.split(","))
+    if not parts or parts - {"engine", "trainer"}:
+        parser.error(f"--part takes engine, trainer or engine,trainer (got {args.part!r})")
 
     import torch
 
@@ -407,17 +617,23 @@ def main(argv: list[str] | None = None) -> int:
     setup = CPU if args.cpu else GPU
     start = time.perf_counter()
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"gpu_bench{' (--cpu)' if args.cpu else ''}: torch {torch.__version__} on {where}")
+    speed: list[tuple[str, str]] = []
+    exact: list[tuple[str, bool, str]] = []
     with tempfile.TemporaryDirectory(prefix="areal-gpu-bench-") as tmp:
         work = Path(tmp)
-        speed = bench_speed(work, setup, device, args.reps, args.skip_generate, args.profile_steps)
-        exact = check_exactness(work, setup, device)
+        if "engine" in parts:
+            speed += bench_speed(work, setup, device, args.reps, args.skip_generate,
+                                 args.profile_steps)  # fmt: skip
+            exact += check_exactness(work, setup, device)
+        if "trainer" in parts:
+            speed += bench_trainer(work, setup, CPU_TRAIN if args.cpu else GPU_TRAIN, device)
+    print(f"gpu_bench{' (--cpu)' if args.cpu else ''}: torch {torch.__version__} on {where}")
     width = max(len(name) for name, *_ in speed + exact)
     for name, figures in speed:
         print(f"{name:<{width}}        {figures}")
     for name, ok, figures in exact:
         print(f"{name:<{width}}  {'PASS' if ok else 'FAIL'}  {figures}")
-    print(f"{statistics.fmean([time.perf_counter() - start]):.0f} s in all")
+    print(f"{time.perf_counter() - start:.0f} s in all")
     return 0 if all(ok for _, ok, _ in exact) else 1
 
 

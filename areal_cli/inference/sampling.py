@@ -95,18 +95,52 @@ class SeqState:
             self.spans.append({"version": version, "start": index, "end": index + 1})
 
 
-def _truncation_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Boolean mask (vocab order) of tokens that survive top-k then top-p."""
+def truncation_mask(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Boolean mask [R, V] (vocabulary order) of the tokens that survive top-k then top-p,
+    for all rows at once on their device, with per-row settings (top_k <= 0 or >= V: off;
+    top_p 1: off). Top-k keeps every token at least as likely as the k-th (ties
+    included); top-p then keeps the most likely of those until their mass reaches top_p (a
+    token is dropped when the mass before it already does). The settings are host lists,
+    so choosing what to run reads nothing back from the device. Rows with top-k sort only
+    their k most likely tokens (one `topk`); rows with top-p alone sort the vocabulary."""
+    vocab = probs.shape[-1]
+    # rows with top_p 1 keep everything: rounding in a running sum must not drop a tail
+    caps = [p if p < 1.0 else float("inf") for p in top_p]
     keep = torch.ones_like(probs, dtype=torch.bool)
-    if 0 < top_k < probs.numel():
-        keep &= probs >= torch.topk(probs, top_k).values[-1]
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(torch.where(keep, probs, 0.0), descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
-        # before it already does.
-        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= top_p
-        keep[order[drop]] = False
+    windowed = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    whole = [i for i, k in enumerate(top_k) if not 0 < k < vocab and top_p[i] < 1.0]
+    if windowed:
+        keep[windowed] = _top_k_then_p(
+            probs[windowed], [top_k[i] for i in windowed], [caps[i] for i in windowed]
+        )
+    if whole:
+        ranked, order = torch.sort(probs[whole], dim=-1, descending=True)
+        drop = (torch.cumsum(ranked, dim=-1) - ranked) >= _column(probs, [caps[i] for i in whole])
+        keep[whole] = ~torch.zeros_like(drop).scatter_(1, order, drop)
     return keep
+
+
+def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _top_k_then_p(probs: torch.Tensor, ks: list[int], caps: list[float]) -> torch.Tensor:
+    """`truncation_mask` for rows that all have top-k: top-p runs over the `topk` window
+    (sorted already). Tokens tied with the k-th beyond the window come after all of it in
+    the order; they are dropped when the window's kept mass already reaches top_p."""
+    widest = max(ks)
+    values, order = torch.topk(probs, widest, dim=-1)  # [R, widest], descending
+    kth = values.gather(1, torch.tensor(ks, device=probs.device)[:, None] - 1)
+    keep = probs >= kth
+    if all(c == float("inf") for c in caps):
+        return keep
+    cap = _column(probs, caps)
+    ranked = torch.where(values >= kth, values, 0.0)
+    running = torch.cumsum(ranked, dim=-1)
+    dropped = torch.zeros_like(keep).scatter_(1, order, (running - ranked >= cap) & (ranked > 0))
+    outside = torch.ones_like(keep).scatter_(1, order, False)
+    dropped |= outside & (running[:, -1:] >= cap)
+    return keep & ~dropped
 
 
 BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF in _draw
@@ -127,11 +161,15 @@ def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
     """
     probs = logprobs.exp()
     rows, vocab = probs.shape
-    for row, seq in enumerate(seqs):
-        top_k, top_p = seq.params.top_k, seq.params.top_p
-        if 0 < top_k < vocab or top_p < 1.0:
-            keep = _truncation_mask(probs[row], top_k, top_p)
-            probs[row] = torch.where(keep, probs[row], 0.0)
+    cut = [i for i, s in enumerate(seqs) if 0 < s.params.top_k < vocab or s.params.top_p < 1.0]
+    if cut:  # one batched pass over the rows that truncate
+        device = probs.device
+        index = torch.tensor(cut, device=device)
+        part = probs.index_select(0, index)
+        keep = truncation_mask(
+            part, [seqs[i].params.top_k for i in cut], [seqs[i].params.top_p for i in cut]
+        )
+        probs.index_copy_(0, index, torch.where(keep, part, 0.0))
     blocks = torch.nn.functional.pad(probs, (0, (-vocab) % BLOCK)).view(rows, -1, BLOCK)
     block_cdf = torch.cumsum(blocks.sum(-1).double(), dim=-1)
     total = block_cdf[:, -1]

@@ -127,7 +127,9 @@ class ActorRole:
         t1 = time.perf_counter()
         state.export(step, "weights", {"step": step, "stats": stats})
         publish_s = time.perf_counter() - t1
-        rss, state_mb = memory_mb(a.model, a.optimizer)
+        rss, state_mb, gpu_mb = memory_mb(a.model, a.optimizer)
+        if gpu_mb:
+            stats["peak_device_mb"] = gpu_mb
         print0(
             f"[trainer] step {step} loss {stats['loss']:+.4f} grad_norm {stats['grad_norm']:.3f} "
             f"clip {stats['clip_frac']:.3f} entropy {stats['entropy']:.3f} tokens {int(stats['tokens'])} "

@@ -133,9 +133,10 @@ def vocab_size(model: nn.Module) -> int:
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
-def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    """Per rank, the largest over ranks (collective): peak resident memory so far, and the
-    MB of this rank's shards of parameters, gradients (as large) and optimizer state."""
+def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, float, float]:
+    """Per rank, the largest over ranks (collective): peak resident memory so far, the
+    MB of this rank's shards of parameters, gradients (as large) and optimizer state, and
+    the peak of the GPU memory torch allocated (0 on a CPU)."""
     import resource
 
     def local_bytes(t: torch.Tensor) -> int:
@@ -147,10 +148,12 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float
         local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak_rss, state_mb = collectives.reduce_values(
-        [rss / 2**20, (2 * params + state) / 2**20], "max"
+    device = next(model.parameters()).device
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak_rss, state_mb, gpu_mb = collectives.reduce_values(
+        [rss / 2**20, (2 * params + state) / 2**20, gpu / 2**20], "max"
     )
-    return peak_rss, state_mb
+    return peak_rss, state_mb, gpu_mb
 
 
 @dataclass

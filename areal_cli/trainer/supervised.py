@@ -56,7 +56,9 @@ class SupervisedRole:
         start = time.perf_counter()
         in_step = state.in_step(step)
         figures = self.train_on(state, step, in_step)
-        rss, state_mb = memory_mb(state.actor.model, state.actor.optimizer)
+        rss, state_mb, gpu_mb = memory_mb(state.actor.model, state.actor.optimizer)
+        if gpu_mb:
+            figures["peak_device_mb"] = gpu_mb
         train_s = time.perf_counter() - start
         line = (
             f"[trainer] step {step} loss {figures['loss']:.4f} grad_norm {figures['grad_norm']:.3f}"

@@ -48,3 +48,28 @@ def test_draw_follows_the_distribution_and_truncation() -> None:
     for s in seqs:
         s.params.top_k = 1
     assert set(_draw(logprobs[:200].clone(), seqs).tolist()) == {2}
+
+
+def test_truncation_per_row_matches_the_definition() -> None:
+    """truncation_mask, batched with per-row settings, against top-k then top-p written
+    out row by row: top-k keeps what is at least as likely as the k-th token; top-p then
+    keeps the most likely tokens until their mass reaches p (the crossing token too)."""
+    from areal_cli.inference.sampling import truncation_mask
+
+    gen = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(6, 50, generator=gen) * 2, dim=-1)
+    top_k = [0, 1, 5, 50, 7, -1]
+    top_p = [0.5, 1.0, 1.0, 0.9, 0.3, 1.0]
+    got = truncation_mask(probs, top_k, top_p)
+    for row in range(6):
+        p, k, cap = probs[row], top_k[row], top_p[row]
+        ranked = sorted(range(50), key=lambda v: -float(p[v]))
+        if 0 < k < 50:
+            ranked = [v for v in ranked if p[v] >= p[ranked[k - 1]]]
+        kept, mass = set(), 0.0
+        for v in ranked:
+            if mass >= cap:
+                break
+            kept.add(v)
+            mass += float(p[v])
+        assert set(torch.nonzero(got[row])[:, 0].tolist()) == kept, row
