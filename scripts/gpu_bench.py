@@ -345,7 +345,10 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
 
 def check_exactness(work: Path, setup: Setup, device: str) -> list[tuple[str, bool, str]]:
     """The engine against transformers on a smaller float32 Llama (see the docstring)."""
+    import random
+
     import torch
+    from gpu_check import logprob_gap  # scripts/, this script's folder
 
     from areal_cli.inference.api import GenerateRequest, SamplingParams
     from areal_cli.inference.engine import InferenceEngine
@@ -353,8 +356,6 @@ def check_exactness(work: Path, setup: Setup, device: str) -> list[tuple[str, bo
     folder, _ = build_model(work / "exact-model", setup.exact_shape, seed=3)
     vocab = setup.exact_shape["vocab_size"]
     hf = load_hf(folder, "float32", device)
-    import random
-
     rng = random.Random(5)
     mixed = [[rng.randrange(2, vocab) for _ in range(rng.randint(3, 96))] for _ in range(64)]
     rows = []
@@ -366,17 +367,9 @@ def check_exactness(work: Path, setup: Setup, device: str) -> list[tuple[str, bo
             return GenerateRequest(input_ids=ids, sampling_params=params, return_logprob=True)
 
         # logprobs of sampled tokens against a teacher-forced forward
-        worst = 0.0
-        for i, ids in enumerate(mixed[:8]):
-            out = engine.generate_sync(request(ids, 1.0, i))
-            full = torch.tensor([ids + out.output_ids], device=device)
-            with torch.no_grad():
-                logits = hf(full).logits[0, len(ids) - 1 : -1].float()
-            want = torch.log_softmax(logits, -1).gather(
-                1, torch.tensor(out.output_ids, device=device)[:, None]
-            )[:, 0]
-            got = torch.tensor(out.output_logprobs, device=device, dtype=torch.float32)
-            worst = max(worst, float((got - want).abs().max()))
+        worst = max(
+            logprob_gap(engine, hf, request(ids, 1.0, i)) for i, ids in enumerate(mixed[:8])
+        )
         rows.append(("exact: logprobs vs transformers (fp32)", worst <= 1e-5,
                      f"max |d| {worst:.1e} over 8 requests (bound 1e-5)"))  # fmt: skip
 

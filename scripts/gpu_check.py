@@ -103,8 +103,25 @@ def check_trainer(work: Path, device: str) -> list[Row]:
     ]
 
 
-def check_engine(work: Path, device: str) -> list[Row]:
+def logprob_gap(engine, hf, request) -> float:
+    """Max |d| between the logprobs the engine reports for the tokens it samples for
+    `request` and a teacher-forced forward of prompt + output through `hf` (transformers,
+    on its own device). scripts/gpu_bench.py uses it too."""
     import torch
+
+    out = engine.generate_sync(request)
+    prompt, device = request.input_ids, hf.device
+    ids = torch.tensor([prompt + out.output_ids], device=device)
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.log_softmax(logits, -1).gather(
+        1, torch.tensor(out.output_ids, device=device)[:, None]
+    )[:, 0]
+    got = torch.tensor(out.output_logprobs, device=device, dtype=torch.float32)
+    return float((got - expected).abs().max())
+
+
+def check_engine(work: Path, device: str) -> list[Row]:
     from transformers import AutoModelForCausalLM
 
     from areal_cli.inference.api import GenerateRequest, SamplingParams
@@ -118,15 +135,7 @@ def check_engine(work: Path, device: str) -> list[Row]:
         for i, prompt in enumerate([[5], [300, 12, 99], list(range(100, 131))]):
             params = SamplingParams(temperature=1.0, max_new_tokens=24, sampling_seed=i)
             request = GenerateRequest(input_ids=prompt, sampling_params=params, return_logprob=True)
-            out = engine.generate_sync(request)
-            ids = torch.tensor([prompt + out.output_ids], device=device)
-            with torch.no_grad():
-                logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
-            expected = torch.log_softmax(logits, -1).gather(
-                1, torch.tensor(out.output_ids, device=device)[:, None]
-            )[:, 0]
-            got = torch.tensor(out.output_logprobs, device=device)
-            worst = max(worst, float((got - expected).abs().max()))
+            worst = max(worst, logprob_gap(engine, hf, request))
     return [
         (
             "engine: logprobs vs transformers (fp32)",

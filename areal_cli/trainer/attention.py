@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class _Context:
     size: int
     seq_ids: torch.Tensor  # [T]: the sequence of each token of the whole micro-batch
     _spans: list[tuple[int, int]] | None = None
-    _plans: dict[torch.device, list[_Bucket]] | None = None
+    _plans: dict[torch.device, list[_Bucket]] = field(default_factory=dict)
 
     def spans(self) -> list[tuple[int, int]]:
         """[(start, end)] of each sequence in the whole micro-batch, computed once (the
@@ -68,8 +68,6 @@ class _Context:
     def plan(self, device: torch.device) -> list[_Bucket]:
         """The buckets' index tensors on `device`, built at the first layer and reused by
         every other layer and by the backward's recompute."""
-        if self._plans is None:
-            self._plans = {}
         if device not in self._plans:
             self._plans[device] = plan_buckets(self.spans(), device)
         return self._plans[device]
@@ -202,7 +200,7 @@ class PackedAttention:
         if ctx is not None and ctx.size > 1:
             query, key, value = (sequence_to_heads(t, ctx) for t in (query, key, value))
         groups = query.shape[1] // key.shape[1]
-        if len(buckets) == 1 and buckets[0].tokens is None:  # every sequence, in token order
+        if buckets[0].tokens is None:  # one bucket: every sequence, in token order
             out = _bucket_attention(query, key, value, buckets[0], groups, dropout, scaling)
         else:
             out = torch.empty_like(query)

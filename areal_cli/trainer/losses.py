@@ -349,15 +349,33 @@ def _logsumexp(z: torch.Tensor, vocab: VocabShard | None) -> torch.Tensor:
     return torch.log(total) + top
 
 
+def _on_shard(
+    target: torch.Tensor, vocab: VocabShard, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target` as columns of this rank's `width` columns of the vocabulary (clamped into
+    range), and where this rank holds it."""
+    local = target - vocab.start
+    inside = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), inside
+
+
 def _pick(z: torch.Tensor, target: torch.Tensor, vocab: VocabShard | None) -> torch.Tensor:
     """z[..., target] (target has a trailing dim of 1), from whichever shard holds it."""
     if vocab is None:
         return z.gather(-1, target).squeeze(-1)
-    local = target - vocab.start
-    inside = (local >= 0) & (local < z.shape[-1])
-    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)).squeeze(-1)
+    local, inside = _on_shard(target, vocab, z.shape[-1])
+    picked = z.gather(-1, local).squeeze(-1)
     picked = torch.where(inside.squeeze(-1), picked, torch.zeros_like(picked))
     return collectives.sum_over_shards(picked, vocab.group)
+
+
+def _entropy(z: torch.Tensor, lse: torch.Tensor, vocab: VocabShard | None) -> torch.Tensor:
+    """``logsumexp(z) - sum_v softmax(z)_v z_v`` per position, given `lse` = logsumexp(z)
+    (over the shards when the vocabulary is split)."""
+    expected = (torch.exp(z - lse.unsqueeze(-1)) * z).sum(dim=-1)
+    if vocab is not None:
+        expected = collectives.sum_over_shards(expected, vocab.group)
+    return lse - expected
 
 
 def token_logprobs(
@@ -401,26 +419,6 @@ def token_logprobs(
 IGNORE = -100  # a label position with no next token (the last token of a sequence, padding)
 
 
-def label_logprobs(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    vocab: VocabShard | None = None,
-) -> torch.Tensor:
-    """``out[p] = log_softmax(logits[p] / T)[labels[p]]``, 0 where ``labels[p] == IGNORE``.
-
-    The label-space twin of `token_logprobs`: position p is scored against the token that
-    follows it (the caller shifts the targets, not the logits), so a slice of positions
-    needs no neighbouring slice; context parallelism cuts micro-batches this way."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = _upcast(logits) / temperature
-    valid = labels != IGNORE
-    target = torch.where(valid, labels, torch.zeros_like(labels)).long().unsqueeze(-1)
-    lp = _pick(scaled, target, vocab) - _logsumexp(scaled, vocab)
-    return torch.where(valid, lp, torch.zeros_like(lp))
-
-
 # Positions per chunk of `label_logprobs_and_entropy`: about this many float32 elements of
 # [positions, vocabulary] at once (64 MiB), whatever the vocabulary.
 CHUNK_ELEMENTS = 1 << 24
@@ -432,7 +430,7 @@ def _chunks(rows: int, width: int) -> list[slice]:
 
 
 class _LabelLogprobs(torch.autograd.Function):
-    """`label_logprobs` and the entropy in one pass over the logits, chunk by chunk of
+    """Label logprobs and the entropy in one pass over the logits, chunk by chunk of
     positions, without a float32 copy of the whole [T, V]: the forward keeps the logits
     (as they came: bf16 on a GPU) and each position's logsumexp; the backward writes
     d lp / d logits = (onehot(label) - softmax(z)) / T chunk by chunk into one gradient
@@ -454,10 +452,7 @@ class _LabelLogprobs(torch.autograd.Function):
             lse[part] = _logsumexp(z, vocab)
             lp[part] = _pick(z, target[part], vocab) - lse[part]
             if ent is not None:
-                expected = (torch.exp(z - lse[part].unsqueeze(-1)) * z).sum(dim=-1)
-                if vocab is not None:
-                    expected = collectives.sum_over_shards(expected, vocab.group)
-                ent[part] = lse[part] - expected
+                ent[part] = _entropy(z, lse[part], vocab)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
         ctx.save_for_backward(logits, target, valid, lse)
         ctx.temperature, ctx.vocab = temperature, vocab
@@ -473,9 +468,7 @@ class _LabelLogprobs(torch.autograd.Function):
         grad_lp = torch.where(valid, grad_lp, torch.zeros_like(grad_lp))
         local, inside = target, None
         if vocab is not None:
-            local = target - vocab.start
-            inside = (local >= 0) & (local < logits.shape[-1])
-            local = local.clamp(0, logits.shape[-1] - 1)
+            local, inside = _on_shard(target, vocab, logits.shape[-1])
         grad = torch.empty_like(logits)
         for part in _chunks(logits.shape[0], logits.shape[-1]):
             z = _upcast(logits[part]) / temperature
@@ -495,10 +488,14 @@ def label_logprobs_and_entropy(
     vocab: VocabShard | None = None,
     entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`label_logprobs` (differentiable) and `entropy_from_logits` (not; None without
-    `entropy`) of packed [T, V] logits in one chunked pass that never holds a float32 copy
-    of the whole logits, forward or backward (`_LabelLogprobs`). The same values as the
-    two functions, to float rounding."""
+    """``lp[p] = log_softmax(logits[p] / T)[labels[p]]`` (differentiable; 0 where
+    ``labels[p] == IGNORE``) and `entropy_from_logits` (not; None without `entropy`) of
+    packed [T, V] logits, in one chunked pass that never holds a float32 copy of the whole
+    logits, forward or backward (`_LabelLogprobs`).
+
+    The label-space twin of `token_logprobs`: position p is scored against the token that
+    follows it (the caller shifts the targets, not the logits), so a slice of positions
+    needs no neighbouring slice; context parallelism cuts micro-batches this way."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     lp, ent = _LabelLogprobs.apply(logits, labels, temperature, vocab, entropy)
@@ -511,11 +508,7 @@ def entropy_from_logits(
     """Per-position entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` with ``z = logits / T``; for logging.
     With `vocab`, reduced over the vocabulary shards like `token_logprobs`."""
     z = _upcast(logits) / temperature
-    lse = _logsumexp(z, vocab)
-    expected = (torch.exp(z - lse.unsqueeze(-1)) * z).sum(dim=-1)
-    if vocab is not None:
-        expected = collectives.sum_over_shards(expected, vocab.group)
-    return lse - expected
+    return _entropy(z, _logsumexp(z, vocab), vocab)
 
 
 def support_logprob_mean(

@@ -16,8 +16,8 @@
 Tensor parallelism (Megatron's layout): q/k/v and gate/up are split by output columns,
 o and down by input rows, so each block needs one all-reduce in forward for attention
 and one for the MLP. The embedding is split over the vocabulary (its partial outputs are
-summed), and so is the LM head, whose logits stay split: `losses.token_logprobs` and
-`losses.entropy_from_logits` reduce over the vocabulary shards without gathering them.
+summed), and so is the LM head, whose logits stay split:
+`losses.label_logprobs_and_entropy` reduces over the vocabulary shards without gathering them.
 HF's attention reshapes with -1 heads, so each rank runs its local heads unchanged.
 """
 

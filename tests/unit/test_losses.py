@@ -380,9 +380,10 @@ def test_entropy_from_logits() -> None:
 def test_chunked_logprobs_and_entropy_match_the_plain_functions(
     dtype: torch.dtype, chunk_elements: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """label_logprobs_and_entropy: the values of label_logprobs and entropy_from_logits,
-    and the same gradient of the logits (in their dtype), chunk by chunk or in one; the
-    IGNORE positions score 0 and take no gradient."""
+    """label_logprobs_and_entropy: the values of log_softmax(logits / T) at the labels
+    and of entropy_from_logits, and autograd's gradient of the logits (in their dtype)
+    through that written-out definition, chunk by chunk or in one; the IGNORE positions
+    score 0 and take no gradient."""
     from areal_cli.trainer import losses
 
     monkeypatch.setattr(losses, "CHUNK_ELEMENTS", chunk_elements)
@@ -395,7 +396,9 @@ def test_chunked_logprobs_and_entropy_match_the_plain_functions(
     lp, ent = losses.label_logprobs_and_entropy(a, labels, 0.7)
     (lp * weights).sum().backward()
     b = logits.clone().requires_grad_(True)
-    want = losses.label_logprobs(b.float(), labels, 0.7)
+    valid = labels != losses.IGNORE
+    picked = torch.log_softmax(b.float() / 0.7, dim=-1).gather(1, labels.clamp(min=0)[:, None])
+    want = torch.where(valid, picked[:, 0], torch.zeros(()))
     (want * weights).sum().backward()
     torch.testing.assert_close(lp, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ent, entropy_from_logits(logits, 0.7), atol=1e-6, rtol=1e-6)
