@@ -36,18 +36,16 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch.profiler import record_function
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from areal_cli.config.schema import DTYPES, torch_dtype
-from areal_cli.inference import attention
 from areal_cli.inference.api import (
     EngineStats,
     GenerateOutput,
     GenerateRequest,
     WeightUpdate,
 )
-from areal_cli.inference.kv_cache import RunningBatch, cache_kwarg, row_index
 from areal_cli.inference.memory import MemoryBusy, parse_tags, trim_host_memory
+from areal_cli.inference.model import EngineModel
 from areal_cli.inference.sampling import SeqState, sample_tokens
 from areal_cli.inference.weight_loader import WeightLoader, WeightLoadError
 
@@ -134,21 +132,24 @@ class InferenceEngine:
         self.device = resolve_device(device)
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype(dtype))
-        self.model.to(self.device).eval()
-        self._sdpa = attention.use_for(self.model)  # else keeps its own (eager, ...)
-        self.config = self.model.config
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        from areal_cli.data.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._model = EngineModel(self.model_path, torch_dtype(dtype), self.device)
+        self.model = self._model.module
+        self.config = self._model.config
+        self.vocab_size = self._model.vocab_size
         self.context_length = context_length or int(
             getattr(self.config, "max_position_embeddings", 0) or 2048
         )
         self.eos_token_ids = self._eos_ids()
-        self._cache_kwarg = cache_kwarg(self.model)
         self._loader = WeightLoader(self.model, self.device)
+        if self._model.own:  # allocated, not loaded: read the folder's weights now
+            tensors, identity, _ = self._loader.load(Path(self.model_path))
+            self._loader.swap_in(tensors, identity)
         self._weight_version = weight_version
         self._seed_rng = random.Random(random_seed)
-        self._batch = RunningBatch(self.config, max_running_requests)
+        self._batch = self._model.running_batch(max_running_requests)
         self._paused = False
         self._released: set[str] = set()  # memory tags given back (inference.memory)
         self._stopping = False
@@ -165,8 +166,7 @@ class InferenceEngine:
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for value in (gen_eos, self.tokenizer.eos_token_id):
+        for value in (self._model.eos_token_id, self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
             elif value is not None:
@@ -472,13 +472,13 @@ class InferenceEngine:
         width = int(lens.max())
         ids = [c + [0] * (width - len(c)) for c in contexts]  # 0: any valid id, masked out
         columns = torch.arange(width, device=self.device)
-        cache = DynamicCache(config=self.config)
+        cache = self._model.prefill_cache()
         try:
-            logits = self._forward(
-                input_ids=torch.tensor(ids, device=self.device),
-                position_ids=columns[None, :].expand(len(seqs), -1),
-                attention_mask=(columns[None, :] < lens[:, None]).long(),
-                cache=cache,
+            logits = self._model.forward(
+                torch.tensor(ids, device=self.device),
+                columns[None, :].expand(len(seqs), -1),
+                (columns[None, :] < lens[:, None]).long(),
+                cache,
                 last=lens - 1,
             )
         except Exception as exc:
@@ -496,25 +496,11 @@ class InferenceEngine:
         batch = self._batch
         if not batch.seqs:
             return
-        inputs = batch.decode_inputs(self.device, self._sdpa)
-        logits = self._forward(**inputs, cache=batch.cache)
+        inputs = batch.decode_inputs(self.device, self._model.sdpa)
+        logits = self._model.forward(
+            inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], batch.cache
+        )  # float32, on the model's device: sampling runs there (sampling.sample_tokens)
         batch.keep(self._advance(batch.seqs, logits))
-
-    def _forward(
-        self, cache: DynamicCache, last: torch.Tensor | None = None, **inputs: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the model; return float32 logits at each row's `last` position (default:
-        the final one), projecting only those positions onto the vocabulary. They stay on
-        the model's device: sampling runs there (sampling.sample_tokens)."""
-        keep: int | torch.Tensor = 1
-        if last is not None:
-            keep, last = torch.unique(last, return_inverse=True)
-        with torch.inference_mode():
-            out = self.model(
-                **inputs, **{self._cache_kwarg: cache}, use_cache=True, logits_to_keep=keep
-            )
-            logits = out.logits[:, -1] if last is None else out.logits[row_index(last), last]
-        return logits.float()
 
     def _advance(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
         """Sample one token per sequence, finish those that stop; True = still running."""

@@ -6,8 +6,12 @@ its own column, and a per-row attention mask plus explicit position ids keep row
 So a decode step never copies the cache, a join copies only the new rows, and a leave
 moves at most one row per hole.
 
-This is the one place that subclasses transformers' cache internals (`DynamicLayer`), so
-a transformers upgrade that changes them touches this file only.
+The caches here are plain objects with the one method a model calls,
+`update(key, value, layer_index)` (`LayerCache`), which our own decoder
+(areal_cli.models.decoder) uses as they are. A transformers model instead wants its own
+`DynamicCache`: `hf_slot_cache` wraps the same layers into one. That is the one place that
+touches transformers' cache internals (`DynamicLayer`), so a transformers upgrade that
+changes them touches this file only.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ import inspect
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from areal_cli.inference.sampling import SeqState
 
 
 def cache_kwarg(model: Any) -> str:
-    """The forward kwarg of `model` that takes the cache; refuse non-uniform caches."""
+    """The forward kwarg of a transformers `model` that takes the cache; refuse
+    non-uniform caches."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
     layers = DynamicCache(config=model.config).layers
     if not all(type(layer) is DynamicLayer for layer in layers):
         raise NotImplementedError(
@@ -38,7 +44,65 @@ def row_index(index: torch.Tensor) -> torch.Tensor:
     return torch.arange(index.shape[0], device=index.device)
 
 
-class SlotLayer(DynamicLayer):
+class PrefillLayer:
+    """One layer's keys and values of a prefill pass, as the model gave them."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:  # a second pass over the same cache: append
+            key_states = torch.cat([self.keys, key_states], dim=-2)
+            value_states = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+
+class LayerCache:
+    """A model's cache over per-layer objects (`PrefillLayer` or `SlotLayer`)."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.layers = layers
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer_idx].update(key, value)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+
+def hf_slot_cache(config: Any, batch: RunningBatch) -> Any:
+    """A transformers DynamicCache for `config` over `batch`'s slot layers (each also a
+    DynamicLayer, for the methods transformers calls besides update)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    layer_class = type("HFSlotLayer", (SlotLayer, DynamicLayer), {})
+    cache.layers = [layer_class(batch) for _ in cache.layers]
+    for layer in cache.layers:
+        layer.is_initialized = True
+    return cache
+
+
+def prefill_cache(config: Any, hf: bool) -> Any:
+    """An empty cache for one prefill pass (a transformers model's own DynamicCache)."""
+    if hf:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config)
+    return LayerCache([PrefillLayer() for _ in range(config.num_hidden_layers)])
+
+
+class SlotLayer:
     """One layer's keys and values in preallocated [rows, kv_heads, columns, head_dim] buffers.
 
     Row i of the running batch keeps its `kv_len` cached tokens in columns [0, kv_len) and
@@ -50,7 +114,6 @@ class SlotLayer(DynamicLayer):
     def __init__(self, batch: RunningBatch) -> None:
         super().__init__()
         self.batch = batch
-        self.is_initialized = True
         self.key_buf: torch.Tensor | None = None
         self.value_buf: torch.Tensor | None = None
 
@@ -78,12 +141,15 @@ class RunningBatch:
     from the end, so removals copy only the moved rows.
     """
 
-    def __init__(self, config: Any, max_rows: int) -> None:
+    def __init__(self, config: Any, max_rows: int, hf: bool = False) -> None:
         self.max_rows = max_rows
         self.seqs: list[SeqState] = []
-        self.cache = DynamicCache(config=config)
-        self.layers = [SlotLayer(self) for _ in self.cache.layers]
-        self.cache.layers = list(self.layers)
+        if hf:  # a transformers model: its own cache class, over these layers
+            self.cache = hf_slot_cache(config, self)
+            self.layers = list(self.cache.layers)
+        else:
+            self.layers = [SlotLayer(self) for _ in range(config.num_hidden_layers)]
+            self.cache = LayerCache(self.layers)
         self.past = 0  # cached columns in use: the longest kv_len
         self.columns = torch.zeros(0, dtype=torch.long)  # where each row writes this step
         self._slots: dict[tuple[int, int], torch.Tensor] = {}
@@ -114,7 +180,7 @@ class RunningBatch:
             layer.key_buf = layer.value_buf = None
 
     @torch.inference_mode()
-    def merge(self, seqs: list[SeqState], cache: DynamicCache, index: list[int]) -> None:
+    def merge(self, seqs: list[SeqState], cache: Any, index: list[int]) -> None:
         """Add freshly prefilled sequences: rows `index` of a prefill `cache`."""
         first, width = len(self.seqs), cache.get_seq_length()
         self.seqs.extend(seqs)

@@ -9,7 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from areal_cli.rollout.errors import RunFailed
 from areal_cli.rollout.state import Group, LoopState, RolloutContext
@@ -159,25 +159,26 @@ def write_rollout_batch(
     ctx: RolloutContext, state: LoopState, step: int, groups: list[Group]
 ) -> None:
     """Pack the groups into RUN/rollouts/step-K and remember their figures."""
-    from areal_cli.rundir.batch import write_batch
+    from areal_cli.rundir.batch import write_columns
 
-    batch = _pack(groups, ctx.cfg.rollout.group_size)
-    batch.max_new_tokens = ctx.cfg.gconfig.max_new_tokens
+    columns = pack_columns(groups, ctx.cfg.rollout.group_size)
     stats = rollout_figures(ctx.gate, step, groups, state, gen_rate(state, ctx.inference))
     if ctx.cfg.rollout.dynamic_sampling:
         stats["dropped_uniform"] = float(len(state.dropped_uniform))  # for this batch
         stats["batch_groups"] = float(len(groups))
     if ctx.cfg.rollout.agent:
         stats["dropped_empty"] = float(state.dropped_empty)
-        stats["batch_samples"] = float(batch.n_seqs)
-        stats["batch_tokens"] = float(batch.seqlens.sum())  # context and generated
+        stats["batch_samples"] = float(len(columns["seqlens"]))
+        stats["batch_tokens"] = float(columns["seqlens"].sum())  # context and generated
     state.gate_wait_s = 0.0
     t0 = time.perf_counter()
-    write_batch(
+    write_columns(
         RunDir(ctx.run_dir).rollouts,
         step,
-        batch,
+        columns,
+        ctx.cfg.rollout.group_size,
         {"data_state": ctx.stream.state_dict(), "next_group": state.next_group, "stats": stats},
+        ctx.cfg.gconfig.max_new_tokens,
     )
     stats["rollout_save_s"] = time.perf_counter() - t0
     state.batch_stats[step] = stats
@@ -188,31 +189,42 @@ def write_rollout_batch(
     )
 
 
+def pack_columns(groups: list[Group], group_size: int) -> dict[str, Any]:
+    """The groups' trajectories as the numpy columns of a batch file (areal_cli.rundir.
+    batch); with group ids when a group does not hold `group_size` of them (agent
+    episodes give any number). numpy, not torch: the controller never imports torch."""
+    import numpy as np
+
+    trajs = [t for g in groups for t in g.trajectories]
+    lengths = [len(t.input_ids) for t in trajs]
+
+    def tokens(key: str, dtype: Any) -> np.ndarray:
+        values = (x for t in trajs for x in getattr(t, key))
+        return np.fromiter(values, dtype=dtype, count=sum(lengths))
+
+    columns = {
+        "input_ids": tokens("input_ids", np.int64),
+        "loss_mask": tokens("loss_mask", np.int8),
+        "logprobs": tokens("logprobs", np.float32),
+        "versions": tokens("versions", np.int32),
+        "seqlens": np.array(lengths, dtype=np.int64),
+        "rewards": np.array([t.reward for t in trajs], dtype=np.float32),
+        "truncated": np.array([t.truncated for t in trajs], dtype=np.bool_),
+    }
+    if not all(len(g.trajectories) == group_size for g in groups):
+        ids = [i for i, g in enumerate(groups) for _ in g.trajectories]
+        columns["group_ids"] = np.array(ids, dtype=np.int64)
+    return columns
+
+
 def _pack(groups: list[Group], group_size: int):  # -> areal_cli.rundir.batch.RolloutBatch
-    """The groups' trajectories as one batch; with group ids when a group does not hold
-    `group_size` of them (agent episodes give any number)."""
+    """The batch `pack_columns` writes, as the trainer reads it (for in-process checks)."""
     import torch
 
     from areal_cli.rundir.batch import RolloutBatch
 
-    trajs = [t for g in groups for t in g.trajectories]
-    ids = [i for i, g in enumerate(groups) for _ in g.trajectories]
-    even = all(len(g.trajectories) == group_size for g in groups)
-
-    seqs = [
-        {
-            "input_ids": torch.tensor(t.input_ids, dtype=torch.int64),
-            "loss_mask": torch.tensor(t.loss_mask, dtype=torch.int8),
-            "logprobs": torch.tensor(t.logprobs, dtype=torch.float32),
-            "versions": torch.tensor(t.versions, dtype=torch.int32),
-        }
-        for t in trajs
-    ]
-    batch = RolloutBatch.from_sequences(
-        seqs, [t.reward for t in trajs], group_size, None if even else ids
-    )
-    batch.truncated = torch.tensor([t.truncated for t in trajs], dtype=torch.bool)
-    return batch
+    t = {k: torch.from_numpy(v) for k, v in pack_columns(groups, group_size).items()}
+    return RolloutBatch(group_size=group_size, **t)
 
 
 def gen_rate(state: LoopState, client: GenerationClock) -> float:

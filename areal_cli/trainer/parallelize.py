@@ -27,6 +27,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,11 +69,22 @@ def params_on_meta() -> Iterator[None]:
 
 
 def wrap_classes(model: nn.Module, cfg: FSDPEngineConfig) -> set[str]:
-    """Class names to shard one by one: the policy's list, else the model's _no_split_modules."""
+    """Class names to shard one by one: the policy's list, else the model's _no_split_modules.
+    On our own decoder, transformers' layer class names (`LlamaDecoderLayer`, ... as
+    AReaL recipes give them) name its `DecoderLayer`."""
     names = cfg.wrap_policy.transformer_layer_cls_to_wrap or list(
         getattr(model, "_no_split_modules", None) or []
     )
+    if _own(model):
+        names = ["DecoderLayer" if n.endswith("DecoderLayer") else n for n in names]
     return set(names)
+
+
+def _own(model: nn.Module) -> bool:
+    """Whether `model` is our own decoder (areal_cli.models.decoder), not transformers'."""
+    from areal_cli.models.decoder import DecoderLM
+
+    return isinstance(model, DecoderLM)
 
 
 def apply_tensor_parallel(model: nn.Module, tmesh: TrainerMesh) -> None:
@@ -118,8 +130,6 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     """Apply tensor parallelism (t > 1), then FSDP2 to `model` in place: each wrapped
     block, then the root, over the dp x cp ranks; or nothing but the attention on the
     `single_rank` path."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     mesh = tmesh.fsdp
     if cfg.offload_params and mesh.device_type == "cpu":
         raise ValueError(
@@ -131,16 +141,13 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     if tmesh.tp > 1:
         apply_tensor_parallel(model, tmesh)
     # attention per packed sequence; with cp > 1, over whole sequences through all-to-alls
-    from areal_cli.trainer.attention import ATTENTION
+    if _own(model):
+        model.attention = tmesh.attention
+    else:
+        from areal_cli.trainer.attention import ATTENTION
 
-    tmesh.attention.install()
-    model.config._attn_implementation = ATTENTION
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
-    )
-    kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
-    if cfg.offload_params:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        tmesh.attention.install()
+        model.config._attn_implementation = ATTENTION
     classes = wrap_classes(model, cfg)
     blocks = [m for m in model.modules() if type(m).__name__ in classes]
     if not blocks:
@@ -150,6 +157,15 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
         )
     if single_rank(model, tmesh, cfg):
         return model
+    # imported past the single-rank return: FSDP pulls in DTensor, ~1 s of a rank's start
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(cfg.param_dtype), reduce_dtype=torch_dtype(cfg.reduce_dtype)
+    )
+    kwargs = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -216,22 +232,30 @@ def build_sharded_model(
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """An FSDP2-sharded HF causal LM with the weights of `model_dir`, or a
+    """An FSDP2-sharded causal LM with the weights of `model_dir`: our own decoder for the
+    Llama family (areal_cli.models.decoder), transformers' for any other; or a
     `ScalarHeadModel` when `model_dir` is a sequence-classification folder."""
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from areal_cli.models.decoder import DecoderConfig, DecoderLM, allocate, unsupported
     from areal_cli.models.scalar_head import is_scalar_config
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with params_on_meta():
-        if is_scalar_config(config.to_dict()):
-            model = ScalarHeadModel(config, torch_dtype(dtype))
-        else:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    raw = json.loads((model_dir / "config.json").read_text())
+    if not is_scalar_config(raw) and unsupported(raw) is None:
+        model: nn.Module = DecoderLM.on_meta(DecoderConfig.from_dict(raw), torch_dtype(dtype))
+        config: Any = model.config
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with params_on_meta():
+            if is_scalar_config(raw):
+                model = ScalarHeadModel(config, torch_dtype(dtype))
+            else:
+                model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+        model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     parallelize(model, tmesh, cfg)
     device = (
@@ -239,13 +263,13 @@ def build_sharded_model(
         if tmesh.mesh.device_type == "cuda"
         else torch.device("cpu")
     )
-    model.to_empty(device=device)
+    allocate(model, device)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(config, "tie_word_embeddings", False) and head is not None:
         embedding = model.get_input_embeddings().weight
-        if not hasattr(embedding, "to_local"):  # unwrapped: to_empty gave each its own tensor
+        if not hasattr(embedding, "to_local"):  # unwrapped: allocate gave each its own tensor
             head.weight = embedding
-    for name, value in buffers.items():  # to_empty wiped them; they are not in checkpoints
+    for name, value in buffers.items():  # allocate wiped them; they are not in checkpoints
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._buffers[attr] = value.to(device)
     rank0_only = cfg.memory_efficient_load
@@ -271,8 +295,6 @@ def _copy_local_blocks(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     any layout (FSDP2 rows, tensor-parallel rows or columns, both, uneven): no
     collective, and unlike `set_model_state_dict`, no requirement that FSDP's strided
     shards over tensor-parallel ones divide evenly (a vocabulary of 49155 over t2 x d2)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     state = model.state_dict()
     missing = sorted(set(state) - set(full) - {"lm_head.weight"})
     unexpected = sorted(set(full) - set(state))
@@ -291,6 +313,9 @@ def _copy_local_blocks(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
         if not hasattr(value, "to_local"):
             value.copy_(source)
             continue
+        # here, not above: one unsharded rank never needs DTensor (~0.3 s to import)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         shape, offset = compute_local_shape_and_global_offset(
             value.shape, value.device_mesh, value.placements
         )
