@@ -225,9 +225,21 @@ def causal_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA over [batch, heads, tokens, head_dim]: causal without a mask, else under the
-    mask (True = attend, or additive). Grouped key/value heads are read in place
-    (SDPA's `enable_gqa`), never repeated."""
+    mask (True = attend, or additive, broadcast over heads and queries). Grouped key/value
+    heads are read in place, never repeated: SDPA's `enable_gqa` for several query
+    tokens; for one (a decode step) the query heads of a group become the query length of
+    one call on their key/value head (transformers calls it pack_gqa). One CPU thread on
+    a 2-core AMD EPYC (Milan, no AVX-512), SmolLM2-135M's heads (9 over 3), batch 128,
+    176 cached tokens under a padding mask: folded 5.2 / 5.6 ms, enable_gqa 5.8 / 26.3 ms,
+    repeated K and V 89 / 68 ms, in fp32 / bf16."""
     groups = query.shape[1] // key.shape[1]
+    if query.shape[2] == 1 and groups > 1:
+        rows, heads, _, dim = query.shape
+        folded = query.reshape(rows, key.shape[1], groups, dim)
+        out = F.scaled_dot_product_attention(
+            folded, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+        )  # not causal: the "query length" here is the group's heads of one token
+        return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
     out = F.scaled_dot_product_attention(
         query,
         key,
