@@ -589,3 +589,24 @@ def test_resumed_without_an_update_the_engine_reads_its_last_folder_again(
     )
     assert after.output_ids == before.output_ids and after.output_logprobs == before.output_logprobs
     assert eng.weights_crc32() == crc and eng.released == frozenset()
+
+
+def test_a_model_outside_our_decoder_runs_on_transformers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A folder our own decoder does not build (here rotary scaling 'dynamic') is served
+    through transformers' model with the same slot cache: greedy equals generate, and the
+    logprobs equal a transformers forward."""
+    folder = tmp_path / "dynamic-rope"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with InferenceEngine(folder, device="cpu") as eng:
+        assert not eng._model.own and type(eng.model).__name__ == "LlamaForCausalLM"
+        for prompt in PROMPTS[:3]:
+            out = greedy(eng, prompt, 12)
+            assert out.output_ids == hf_greedy(hf, prompt, 12)
+            expected = teacher_forced(hf, prompt, out.output_ids, 1.0)
+            assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=TOL)
