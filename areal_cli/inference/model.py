@@ -2,7 +2,7 @@
 
 `EngineModel` is what the scheduler runs: `forward(input_ids, position_ids, mask, cache,
 last)` gives float logits [rows, vocab] at each row's `last` position (default: its final
-one), and `prefill_cache()` / `running_cache(batch)` make the caches that forward fills.
+one), and `prefill_cache()` / `running_batch(max_rows)` make the caches that forward fills.
 
 - A Llama, Mistral, Qwen2 or Qwen3 folder (areal_cli.models.decoder.unsupported says
   which) runs on `DecoderLM`: built on the meta device, allocated on the engine's device
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from areal_cli.inference.kv_cache import LayerCache, PrefillLayer, RunningBatch
+from areal_cli.inference.kv_cache import RunningBatch, prefill_cache, row_index
 
 
 def generation_eos(folder: Path, config: dict[str, Any]) -> Any:
@@ -42,21 +42,21 @@ class EngineModel:
     def __init__(self, folder: str | Path, dtype: torch.dtype, device: torch.device) -> None:
         from areal_cli.models.decoder import DecoderConfig, unsupported
 
-        self.folder = Path(folder)
-        raw = json.loads((self.folder / "config.json").read_text())
+        folder = Path(folder)
+        raw = json.loads((folder / "config.json").read_text())
         self.own = unsupported(raw) is None
         self.sdpa = True  # the decode mask comes ready-made for SDPA
         if self.own:
             self.config: Any = DecoderConfig.from_dict(raw)
             self.module = self._build_own(self.config, dtype, device)
-            self.eos_token_id = generation_eos(self.folder, raw)
+            self.eos_token_id = generation_eos(folder, raw)
         else:
             from transformers import AutoModelForCausalLM
 
             from areal_cli.inference import attention
             from areal_cli.inference.kv_cache import cache_kwarg
 
-            self.module = AutoModelForCausalLM.from_pretrained(str(self.folder), dtype=dtype)
+            self.module = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
             self.module.to(device).eval()
             self.sdpa = attention.use_for(self.module)  # else keeps its own (eager, ...)
             self.config = self.module.config
@@ -64,7 +64,6 @@ class EngineModel:
             generation = getattr(self.module, "generation_config", None)
             self.eos_token_id = getattr(generation, "eos_token_id", None)
         self.vocab_size = int(self.module.get_output_embeddings().weight.shape[0])
-        self.dtype = dtype
 
     @staticmethod
     def _build_own(cfg: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -73,20 +72,14 @@ class EngineModel:
         from areal_cli.models.decoder import DecoderLM, allocate
 
         model = DecoderLM.on_meta(cfg, dtype)
-        rotary = model.model.rotary_emb.inv_freq
         allocate(model, device)
         if cfg.tie_word_embeddings:  # allocate gave each module its own tensor
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb.inv_freq = rotary.to(device)  # allocate wiped it
         return model.eval()
 
     def prefill_cache(self) -> Any:
         """An empty cache for one prefill pass."""
-        if self.own:
-            return LayerCache([PrefillLayer() for _ in range(self.config.num_hidden_layers)])
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
+        return prefill_cache(self.config, hf=not self.own)
 
     def running_batch(self, max_rows: int) -> RunningBatch:
         return RunningBatch(self.config, max_rows, hf=not self.own)
@@ -104,15 +97,12 @@ class EngineModel:
         goes to a transformers model), else the decode mask from RunningBatch."""
         with torch.inference_mode():
             if self.own:
-                if last is None:
-                    last = torch.full(
-                        (input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device
-                    )
                 out = self.module(
                     input_ids, position_ids, mask=mask if mask is None or mask.dim() == 4 else None,
                     cache=cache, last=last,
                 )  # fmt: skip
-                return out.logits.float()
+                logits = out.logits if last is not None else out.logits[:, -1]
+                return logits.float()
             keep: int | torch.Tensor = 1
             if last is not None:
                 keep, last = torch.unique(last, return_inverse=True)
@@ -124,6 +114,5 @@ class EngineModel:
                 logits_to_keep=keep,
                 **{self._cache_kwarg: cache},
             )
-            rows = torch.arange(out.logits.shape[0], device=out.logits.device)
-            logits = out.logits[:, -1] if last is None else out.logits[rows, last]
+            logits = out.logits[:, -1] if last is None else out.logits[row_index(last), last]
             return logits.float()

@@ -441,13 +441,17 @@ class DecoderLM(nn.Module):
 
 
 def allocate(model: nn.Module, device: Device) -> None:
-    """`model.to_empty(device=device)`: memory for its meta tensors, uninitialised. Plain
-    tensors are made with torch.empty: empty_like of a meta tensor goes through torch's
-    reference implementations, whose first use imports sympy (~0.4 s of a start)."""
+    """Memory on `device` for the model's meta tensors, uninitialised (as
+    `model.to_empty`), and its real ones (buffers such as the rotary table, which no
+    checkpoint holds) moved there with their values, where to_empty would wipe them.
+    Plain tensors are made with torch.empty: empty_like of a meta tensor goes through
+    torch's reference implementations, whose first use imports sympy (~0.4 s of a start)."""
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         if hasattr(t, "to_local"):  # a DTensor: its local shard, as to_empty makes it
             return torch.empty_like(t, device=device)
+        if t.device.type != "meta":
+            return t.to(device)
         return torch.empty(t.shape, dtype=t.dtype, device=device)
 
     model._apply(empty)

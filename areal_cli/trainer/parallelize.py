@@ -256,22 +256,18 @@ def build_sharded_model(
         model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     parallelize(model, tmesh, cfg)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if tmesh.mesh.device_type == "cuda"
         else torch.device("cpu")
     )
-    allocate(model, device)
+    allocate(model, device)  # buffers (no checkpoint holds them) keep their values
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(config, "tie_word_embeddings", False) and head is not None:
         embedding = model.get_input_embeddings().weight
         if not hasattr(embedding, "to_local"):  # unwrapped: allocate gave each its own tensor
             head.weight = embedding
-    for name, value in buffers.items():  # allocate wiped them; they are not in checkpoints
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._buffers[attr] = value.to(device)
     rank0_only = cfg.memory_efficient_load
     full = _load_full_state(model_dir) if (not rank0_only or dist.get_rank() == 0) else {}
     if getattr(config, "tie_word_embeddings", False):
