@@ -10,7 +10,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -367,7 +367,7 @@ CONTEXT_LENGTH = typer.Option(
 def serve(
     model: str = typer.Argument(
         ...,
-        help="HF folder (RUN/weights/vN, RUN/checkpoints/step-N), run directory (its newest weights); or builtin:tiny-arith (the demo's warmed-up model), builtin:tiny or builtin:small (random weights, for tests and benchmarks).",
+        help="HF folder (RUN/weights/vN, RUN/checkpoints/step-N), LoRA adapter folder (on its base model), run directory (its newest weights); or builtin:tiny-arith (the demo's warmed-up model), builtin:tiny or builtin:small (random weights, for tests and benchmarks).",
         show_default=False,
         metavar="MODEL",
     ),
@@ -419,6 +419,7 @@ def serve(
     server = _serve_backend(backend, host, api_key, insecure_no_api_key, bool(weight_root), python)
 
     path, version = _serve_model_path(model, (model_cache or cache_dir() / "models").expanduser())
+    path = _servable(path, server.serves_adapter_folders)
     options = ServeOptions(
         path,
         host=host,
@@ -463,6 +464,33 @@ def _serve_backend(
     if missing := server.missing(python):
         _die(missing)
     return server
+
+
+def _servable(path: str, adapter_folders: bool) -> str:
+    """What the server is given for `path`: itself, or for a LoRA adapter folder and a
+    server that takes model folders only, the adapter merged into its base model, written
+    once under the cache (keyed by the adapter's files), then reused."""
+    import hashlib
+
+    from areal_cli.models.builtin import cache_dir
+    from areal_cli.rundir.layout import ADAPTER_WEIGHTS, is_adapter_folder
+    from areal_cli.weights.convert import ConvertError, merge_lora
+
+    if adapter_folders or not is_adapter_folder(path):
+        return path
+    adapter, cache = Path(path), cache_dir() / "merged"
+    stat = (adapter / ADAPTER_WEIGHTS).stat()
+    key = hashlib.sha256(f"{adapter}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    out = cache / f"{adapter.name}-{key[:12]}"
+    if not (out / "config.json").is_file():
+        typer.echo(f"[areal] merging LoRA adapter {adapter} into its base model: {out}", err=True)
+        try:
+            merge_lora(
+                adapter, out, dtype=None, max_shard_size="100GB", force=True, model_config=None
+            )
+        except ConvertError as exc:
+            _die(str(exc))
+    return str(out)
 
 
 def _die(message: str) -> NoReturn:
@@ -546,6 +574,13 @@ def _run_in_foreground(
     raise typer.Exit(1)
 
 
+MERGE_LORA_HELP = (
+    "SRC is a LoRA adapter (PEFT folder, a LoRA run's weights/vN or checkpoints/step-N): "
+    "write its base model (--model-config, else the adapter's) with the adapter merged in, "
+    "as an HF folder."
+)
+
+
 @app.command("convert-checkpoint")
 def convert_checkpoint(
     src: Path = typer.Argument(
@@ -579,18 +614,14 @@ def convert_checkpoint(
     part: str = typer.Option(
         "model", "--part", help="model, or critic: the PPO critic in a recover entry (DCP -> HF)."
     ),
+    merge_lora: bool = typer.Option(False, "--merge-lora", help=MERGE_LORA_HELP),
 ) -> None:
-    """Convert sharded training checkpoints (DCP) to Hugging Face folders and back."""
+    """Convert training checkpoints (DCP) to Hugging Face folders and back; merge LoRA."""
     import time
 
     from areal_cli.weights.convert import FORMAT_NAMES, ConvertError, VerifyFailed, convert
 
-    if to not in (None, "hf", "dcp"):
-        _die(f"--to must be hf or dcp, got {to}")
-    if dtype not in (None, "bf16", "fp32"):
-        _die(f"--dtype must be bf16 or fp32, got {dtype}")
-    if part not in ("model", "critic"):
-        _die(f"--part must be model or critic, got {part}")
+    _check_convert_flags(to, dtype, part)
     from areal_cli.rundir.checkpoints import CheckpointError, locate
 
     try:
@@ -600,6 +631,9 @@ def convert_checkpoint(
     if found.path != src.expanduser().resolve():
         typer.echo(f"SRC {src} is a run directory: converting its newest weights, {found.path}")
     start = time.perf_counter()
+    if merge_lora or found.kind == "lora":
+        _merge_lora(found, merge_lora, dst, dtype, max_shard_size, force, model_config, verify)
+        return
     try:
         source, out, verdict = convert(
             found.path,
@@ -627,6 +661,60 @@ def convert_checkpoint(
             typer.echo(line, err=True)
         typer.echo(f"error: verify failed; {dst} was left as it was", err=True)
         raise typer.Exit(1) from None
+
+
+def _check_convert_flags(to: str | None, dtype: str | None, part: str) -> None:
+    if to not in (None, "hf", "dcp"):
+        _die(f"--to must be hf or dcp, got {to}")
+    if dtype not in (None, "bf16", "fp32"):
+        _die(f"--dtype must be bf16 or fp32, got {dtype}")
+    if part not in ("model", "critic"):
+        _die(f"--part must be model or critic, got {part}")
+
+
+def _merge_lora(
+    found: Any,
+    asked: bool,
+    dst: Path,
+    dtype: str | None,
+    max_shard_size: str,
+    force: bool,
+    model_config: Path | None,
+    verify: bool,
+) -> None:
+    """`convert-checkpoint --merge-lora`: the adapter merged into its base, as HF; a LoRA
+    adapter without the flag, or the flag on anything else, is refused."""
+    import time
+
+    from areal_cli.weights.convert import ConvertError, VerifyFailed, merge_lora
+
+    src, start = found.path, time.perf_counter()
+    if found.kind != "lora":
+        _die(f"--merge-lora takes a LoRA adapter folder; {src} is {found.kind.upper()}")
+    if not asked:
+        _die(f"{src} is a LoRA adapter: add --merge-lora to merge it into its base model")
+    try:
+        out, diff = merge_lora(
+            src, dst, dtype=dtype, max_shard_size=max_shard_size, force=force,
+            model_config=model_config, check=verify,
+        )  # fmt: skip
+    except ConvertError as exc:
+        _die(str(exc))
+    except VerifyFailed as exc:
+        typer.echo(
+            f"verify: max |logit difference| {exc.verdict.diff:.3g} against the adapter "
+            "applied on the fly is above the tolerance",
+            err=True,
+        )
+        typer.echo(f"error: verify failed; {dst} was left as it was", err=True)
+        raise typer.Exit(1) from None
+    took = time.perf_counter() - start
+    typer.echo(f"merged LoRA adapter {src} into its base model -> HF folder {out} in {took:.1f}s")
+    if diff is not None:
+        typer.echo(
+            f"verify: max |logit difference| = {diff:.3g} against the base model with the "
+            "adapter applied on the fly (fp32)"
+        )
 
 
 @app.command("eval")

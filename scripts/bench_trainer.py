@@ -61,8 +61,18 @@ def make_batch(n_seqs: int, seq_len: int, vocab: int, group_size: int = 4) -> Ro
 
 
 def fsdp_steps(
-    work: Path, model_dir: Path, batches: Path, steps: int, n_seqs: int, layout: str = "d2"
+    work: Path,
+    model_dir: Path,
+    batches: Path,
+    steps: int,
+    n_seqs: int,
+    layout: str = "d2",
+    actor: dict | None = None,
+    trial: str | None = None,
 ) -> list[dict]:
+    """Train `steps` fixed batches under real torchrun (fsdp:LAYOUT); the trainer's
+    per-step records. `actor`: settings of the recipe's actor section; `trial`: the run's
+    trial name (default: the layout), so that two runs of one layout keep apart."""
     from areal_cli.config.allocation import parse_allocation
 
     allocation = f"embedded:d1+fsdp:{layout}"
@@ -70,7 +80,7 @@ def fsdp_steps(
     nproc = train.world_size
     config = {
         "experiment_name": "bench",
-        "trial_name": layout,
+        "trial_name": trial or layout,
         "allocation_mode": allocation,
         "total_train_steps": steps,
         "cluster": {"fileroot": str(work / "runs")},
@@ -78,6 +88,7 @@ def fsdp_steps(
         "rollout": {"batch_size": max(1, n_seqs // 4), "group_size": min(4, n_seqs)},
         "recover": {"freq_steps": 0},
         "saver": {"freq_steps": steps},
+        "actor": actor or {},
     }
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     torchrun = str(Path(sys.executable).parent / "torchrun")
@@ -104,7 +115,7 @@ def fsdp_steps(
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
     lines = (
-        (work / "runs" / "bench" / layout / "logs" / "trainer-metrics.jsonl")
+        (work / "runs" / "bench" / (trial or layout) / "logs" / "trainer-metrics.jsonl")
         .read_text()
         .splitlines()
     )

@@ -37,7 +37,8 @@ def extract(fields_dir: Path) -> dict[str, str]:
             no_cli = kwargs.get("no_cli")
             if isinstance(no_cli, ast.Constant) and no_cli.value is True:
                 continue
-            kind = "bool" if ast.unparse(elts[0]) == "bool" else "value"
+            # SGLang's arg_utils makes bool and Optional[bool] fields store_true switches
+            kind = "bool" if ast.unparse(elts[0]) in ("bool", "Optional[bool]") else "value"
             names = ["--" + node.target.id.replace("_", "-")]
             aliases = kwargs.get("aliases")
             if isinstance(aliases, ast.List):

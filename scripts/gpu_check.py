@@ -100,6 +100,40 @@ def check_trainer(work: Path, device: str) -> list[Row]:
             bf16_loss < 0.05 and bf16_weights < 0.05,
             f"loss rel diff {bf16_loss:.1e}, max |d weight| {bf16_weights:.1e} (bound 5e-2)",
         ),
+        *check_lora_trainer(work, model, batches, gpus, backend),
+    ]
+
+
+def check_lora_trainer(
+    work: Path, model: Path, batches: Path, gpus: int, backend: str
+) -> list[Row]:
+    """LoRA (rank 4, all-linear): 1 vs 2 micro-batches in fp32 take the same step, and
+    FSDP2's bf16 compute (frozen base and trained adapters in one wrapped block) stays
+    near fp32; every published version is an adapter folder."""
+    from tests.gloo.test_lora_trainer import LORA, _adapter
+
+    runs = {
+        "lora-1mb": {},
+        "lora-2mb": {"actor.mb_spec.n_mbs": 2},
+        "lora-bf16": {"actor.fsdp.param_dtype": "bfloat16", "actor.fsdp.reduce_dtype": "float32"},
+    }
+    roots = {
+        name: _train(work, name, model, batches, gpus, **LORA, **keys)
+        for name, keys in runs.items()
+    }
+    one, two, bf16 = (_adapter(roots[name], 2) for name in runs)
+
+    def diff(a: dict, b: dict) -> float:
+        return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+    exact, near = diff(one, two), diff(one, bf16)
+    return [
+        (
+            f"trainer: LoRA 1 vs 2 micro-batches fp32, and bf16 compute, 1 rank ({backend})",
+            exact < 1e-5 and near < 0.05,
+            f"max |d adapter| {exact:.1e} (bound 1e-5); bf16 vs fp32 {near:.1e} (bound 5e-2); "
+            f"{len(one)} adapter tensors per version",
+        )
     ]
 
 

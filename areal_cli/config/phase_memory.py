@@ -46,6 +46,70 @@ def param_count(config: dict) -> int:
     return layers * (attention + mlp + 2 * h) + embeddings + head + h
 
 
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of a Llama-style block, by its name."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv, hd = _heads(config)
+    return {
+        "q_proj": (h, heads * hd),
+        "k_proj": (h, kv * hd),
+        "v_proj": (h, kv * hd),
+        "o_proj": (heads * hd, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+
+
+def lora_param_count(config: dict, rank: int, targets: list[str]) -> int:
+    """Parameters of rank-`rank` LoRA adapters on the `targets` of a Llama-style decoder
+    (all-linear: all seven linear layers of every block; a name it does not know, or a
+    regular expression, counts as all of them: an upper bound)."""
+    shapes = linear_shapes(config)
+    known = [t for t in targets if t in shapes]
+    chosen = _LINEARS if targets == ["all-linear"] or len(known) < len(targets) else known
+    per_layer = sum(rank * (shapes[n][0] + shapes[n][1]) for n in chosen)
+    return config["num_hidden_layers"] * per_layer
+
+
+def trained_params(cfg: ExperimentConfig, config: dict) -> int:
+    """Parameters that get gradients and optimizer state: all of them, or with
+    actor.use_lora the adapters only."""
+    a = cfg.actor
+    if a.use_lora:
+        return lora_param_count(config, a.lora_rank, list(a.target_modules))
+    return param_count(config)
+
+
+def trainer_state_bytes(cfg: ExperimentConfig, config: dict, world_size: int) -> int:
+    """One trainer rank's parameters, gradients and optimizer state (float32 Adam moments)
+    under FSDP2 over `world_size` ranks (tensor parallelism splits each shard further)."""
+    train_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
+    optimizer = 8 if cfg.actor.optimizer.type == "adamw" else 0  # two float32 moments
+    params = param_count(config)
+    if cfg.actor.use_lora:
+        params += trained_params(cfg, config)  # the adapters sit beside the frozen base
+    total = params * train_bytes + trained_params(cfg, config) * (train_bytes + optimizer)
+    return total // world_size
+
+
+def trainer_line(cfg: ExperimentConfig, config: dict, world_size: int) -> str:
+    """The dry run's line on a trainer rank's state."""
+    state = size(trainer_state_bytes(cfg, config, world_size))
+    n, trained = param_count(config), trained_params(cfg, config)
+    if cfg.actor.use_lora:
+        what = (
+            f"LoRA: gradients and optimizer state for {trained / 1e6:.2f}M adapter parameters "
+            f"({100 * trained / n:.2f}% of the model's {n / 1e6:.1f}M)"
+        )
+    else:
+        what = f"gradients and optimizer state for all {n / 1e6:.1f}M parameters"
+    return f"trainer state per rank: {state} ({what}; activations on top)"
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     _, kv, hd = _heads(config)
     return 2 * config["num_hidden_layers"] * kv * hd * dtype_bytes
@@ -97,8 +161,6 @@ def estimate(cfg: ExperimentConfig, mode: AllocationMode, config: dict) -> Phase
         fraction = cfg.inference.sglang.mem_fraction_static
     else:
         fraction = cfg.inference.vllm.gpu_memory_utilization
-    train_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
-    optimizer = 8 if cfg.actor.optimizer.type == "adamw" else 0  # two float32 moments
     # FSDP2 shards over d x c, tensor parallelism splits each shard over t
-    trainer = n * (2 * train_bytes + optimizer) // mode.train.world_size
+    trainer = trainer_state_bytes(cfg, config, mode.train.world_size)
     return PhaseMemory(n * server_bytes // per_server, kv, fraction, trainer)

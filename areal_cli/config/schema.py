@@ -315,6 +315,21 @@ class TrainEngineConfig:
     loss_agg_mode: str = field(
         "token_mean", "Loss aggregation over the global batch.", choices=("token_mean", "seq_mean")
     )
+    use_lora: bool = field(
+        False,
+        "Train LoRA adapters on a frozen base model: only the adapters get gradients and optimizer state, and only they travel to the servers (PEFT's folder layout).",
+    )
+    peft_type: str = field(
+        "lora", "The adapter kind (AReaL's name); lora is the one built.", choices=("lora",)
+    )
+    lora_rank: int = field(32, "Rank r of each LoRA adapter.", ge=1)
+    lora_alpha: float = field(
+        16.0, "LoRA alpha: the update is scaled by lora_alpha / lora_rank.", gt=0
+    )
+    target_modules: list[str] = field(
+        factory=lambda: ["all-linear"],
+        doc="Linear layers that get adapters: all-linear (every one but the output head), or module-name suffixes such as q_proj, v_proj (PEFT's matching).",
+    )
 
 
 @dataclass
@@ -445,6 +460,10 @@ class GenerationHyperparameters:
         factory=list, doc="Extra token ids that end a sample (EOS always does)."
     )
     ignore_eos: bool = field(False, "Keep generating past EOS until max_new_tokens.")
+    lora_name: str = field(
+        "",
+        "Name of the LoRA adapter the servers serve (actor.use_lora); each version loads as NAME-vK. Empty: the experiment name.",
+    )
 
     def sampling_params(self) -> dict:
         """These settings as an SGLang `sampling_params` body (no per-request seed)."""

@@ -75,9 +75,17 @@ def resolve_checkpoint(cfg: Any, checkpoint: Path | None, scratch: Path) -> Chec
         raise EvalInputError(str(exc)) from None
     if found.kind == "hf":
         return Checkpoint(found.path, found.path.name, found.run_dir, found.path)
-    from areal_cli.weights.convert import ConvertError, convert
+    from areal_cli.weights.convert import ConvertError, convert, merge_lora
 
     out = scratch / "converted"
+    if found.kind == "lora":  # merged into its base: every backend serves that
+        try:
+            merge_lora(
+                found.path, out, dtype=None, max_shard_size="100GB", force=True, model_config=None
+            )
+        except ConvertError as exc:
+            raise EvalInputError(f"{found.path}: {exc}") from exc
+        return Checkpoint(out, found.path.name, found.run_dir, found.path)
     try:
         convert(
             found.path,

@@ -45,6 +45,7 @@ import aiohttp
 
 from areal_cli.inference.backends import backend_for
 from areal_cli.inference.backends.base import WENT_DOWN, NoAnswer, accepted, error_message
+from areal_cli.rundir.layout import adapter_problem, is_adapter_folder
 
 Policy = Literal["round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("round_robin", "least_loaded")
@@ -180,6 +181,7 @@ class InferenceClient:
         backoff_s: float = 0.5,
         backend: str = "sglang",
         served_model: str = "",
+        lora_name: str = "",
     ) -> None:
         if not addresses:
             raise ValueError("give at least one server address")
@@ -198,6 +200,12 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.backend = backend_for(backend)  # its routes and weight-update sequence
         self.served_model = served_model  # the identity its servers must show ('' : any)
+        # LoRA runs: adapter versions load as LORA_NAME-vK; with a backend whose requests
+        # name their adapter, `adapter` is the (name, version) new requests name, and
+        # `_adapters` the names loaded on the servers, oldest first (see _adapter_load)
+        self.lora_name = lora_name or "adapter"
+        self.adapter: tuple[str, str] | None = None
+        self._adapters: list[str] = []
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self.reissued = 0  # generate attempts re-issued after their server died
@@ -220,7 +228,9 @@ class InferenceClient:
             backoff_s=self.backoff_s,
             backend=self.backend.name,
             served_model=self.served_model,
+            lora_name=self.lora_name,
         )
+        twin.adapter, twin._adapters = self.adapter, self._adapters  # the same list: shared
         twin.gate = self.gate  # a colocated run holds both clients' requests at once
         return twin
 
@@ -254,7 +264,10 @@ class InferenceClient:
         rid: str | None = None,
     ) -> dict[str, Any]:
         """One /generate request on one server; returns SGLang's response dict."""
-        path, body = self.backend.generate_request(input_ids, sampling_params, return_logprob, rid)
+        adapter = self.adapter if self.backend.adapters_by_request else None
+        path, body = self.backend.generate_request(
+            input_ids, sampling_params, return_logprob, rid, adapter[0] if adapter else None
+        )
         async with self.gate.admit():
             if self._in_flight == 0:
                 self._busy_since = time.monotonic()
@@ -266,6 +279,11 @@ class InferenceClient:
                 if self._in_flight == 0:
                     self._busy_s += time.monotonic() - self._busy_since
         self.generated_tokens += len(answer.get("output_ids") or ())
+        if adapter is not None:  # every token came from the adapter the request named
+            n, version = len(answer.get("output_ids") or ()), adapter[1]
+            meta = answer.setdefault("meta_info", {})
+            meta["weight_version"] = version
+            meta["weight_versions"] = [{"version": version, "start": 0, "end": n}]
         return answer
 
     async def update_weights_from_disk(
@@ -286,6 +304,12 @@ class InferenceClient:
                 f"{len(refused)} of {len(pairs)} server(s) refused weights from "
                 f"{model_path}: " + "; ".join(refused)
             )
+        if self.backend.adapters_by_request and is_adapter_folder(model_path):
+            name = self._adapter_name(version)
+            self.adapter = (name, version or "0")  # new requests name it from now on
+            if name not in self._adapters:
+                self._adapters.append(name)
+            del self._adapters[:-2]  # _adapter_load unloaded the older ones
         return answers
 
     async def load_weights_on(
@@ -299,7 +323,11 @@ class InferenceClient:
             raise WeightUpdateFailed(
                 f"server {address} refused weights from {model_path}: {error_message(answer)}"
             )
-        return await self._model_info_on(server)
+        info = await self._model_info_on(server)
+        if self.backend.adapters_by_request and is_adapter_folder(model_path):
+            # requests name the adapter: they get its version, whatever the server's label
+            info = {**info, "weight_version": str(weight_version)}
+        return info
 
     async def join_weight_group(self, bodies: Mapping[str, dict[str, Any]]) -> None:
         """Have each server (address -> its /init_weights_update_group body) join the
@@ -349,8 +377,21 @@ class InferenceClient:
 
     async def _load_on(self, server: _Server, model_path: str, version: str | None) -> Any:
         """The backend's weight update on one server: its answer in
-        /update_weights_from_disk's shape, or WENT_DOWN."""
-        return await self.backend.load_weights(_Link(self, server), model_path, version)
+        /update_weights_from_disk's shape, or WENT_DOWN. A LoRA adapter folder loads as
+        an adapter (LORA_NAME-vK), which retires the one before the current: requests in
+        flight may still name the current one."""
+        link = _Link(self, server)
+        if not is_adapter_folder(model_path):
+            return await self.backend.load_weights(link, model_path, version)
+        if self.backend.adapters_by_request and (problem := adapter_problem(model_path)):
+            return {"success": False, "message": problem}  # checked here: the server cannot
+        name = self._adapter_name(version)
+        older = [a for a in self._adapters if a != name]
+        retire = older[-2] if len(older) >= 2 else None
+        return await self.backend.load_adapter(link, model_path, name, version or "0", retire)
+
+    def _adapter_name(self, version: str | None) -> str:
+        return f"{self.lora_name}-v{version or 0}"
 
     async def _model_info_on(self, server: _Server) -> Any:
         return await self.backend.model_info(_Link(self, server))

@@ -23,6 +23,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import random
@@ -86,6 +87,25 @@ def split_by_length(seqs: list[SeqState], pass_cost: int) -> list[list[SeqState]
 # --------------------------------------------------------------------------- engine
 
 
+def adapter_base(path: Path) -> Path:
+    """The model folder to build the engine from: `path` itself, or for a LoRA adapter
+    folder the base model its adapter_config.json names (a local folder)."""
+    from areal_cli.rundir.layout import ADAPTER_CONFIG, is_adapter_folder
+
+    if not is_adapter_folder(path):
+        return path
+    try:
+        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path / ADAPTER_CONFIG}: {exc}") from exc
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ValueError(
+            f"{path / ADAPTER_CONFIG}: base_model_name_or_path {base!r} is not a model folder "
+            "on this machine; serve the base model and load the adapter into it"
+        )
+    return Path(base)
+
+
 def resolve_device(device: str) -> torch.device:
     """'auto' picks CUDA when present, else CPU."""
     if device == "auto":
@@ -129,13 +149,15 @@ class InferenceEngine:
         self.schedule_policy = schedule_policy
         self.max_queue_wait_s = max_queue_wait_s
         self.model_path = str(model_path)
+        # a LoRA adapter folder is served on its base model, merged in (weight_loader)
+        self.base_path = adapter_base(Path(model_path))
         self.device = resolve_device(device)
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         from areal_cli.data.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.model_path)
-        self._model = EngineModel(self.model_path, torch_dtype(dtype), self.device)
+        self.tokenizer = load_tokenizer(str(self.base_path))
+        self._model = EngineModel(str(self.base_path), torch_dtype(dtype), self.device)
         self.model = self._model.module
         self.config = self._model.config
         self.vocab_size = self._model.vocab_size
@@ -143,8 +165,9 @@ class InferenceEngine:
             getattr(self.config, "max_position_embeddings", 0) or 2048
         )
         self.eos_token_ids = self._eos_ids()
-        self._loader = WeightLoader(self.model, self.device)
-        if self._model.own:  # allocated, not loaded: read the folder's weights now
+        self._loader = WeightLoader(self.model, self.device, self.base_path)
+        adapter = self.base_path != Path(self.model_path)
+        if self._model.own or adapter:  # allocated, or an adapter: read the weights now
             tensors, identity, _ = self._loader.load(Path(self.model_path))
             self._loader.swap_in(tensors, identity)
         self._weight_version = weight_version

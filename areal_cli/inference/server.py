@@ -8,7 +8,8 @@ Usage: python -m areal_cli.inference.server --model-path PATH [--host 127.0.0.1]
        [--insecure-no-api-key]
 
 Native routes (SGLang names and bodies): /generate, /update_weights_from_disk,
-/pause_generation, /continue_generation, /abort_request, /update_weight_version,
+/load_lora_adapter and /unload_lora_adapter (one adapter at a time, merged into the
+weights; a request's lora_path must name it), /pause_generation, /continue_generation, /abort_request, /update_weight_version,
 /release_memory_occupation, /resume_memory_occupation (areal_cli.inference.memory),
 /flush_cache, /health, /health_generate, /model_info, /get_model_info, /server_info.
 OpenAI routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
@@ -146,6 +147,7 @@ class InferenceServer:
         self.tool_parser = resolve_tool_parser(tool_parser, engine.tokenizer)
         self.receiver: WeightReceiver | None = None  # made on the first join
         self.dist_timeout_s = dist_timeout_s
+        self.adapter: str | None = None  # the LoRA adapter /load_lora_adapter merged in
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -155,6 +157,8 @@ class InferenceServer:
             ("POST", "/generate", self.generate),
             ("PUT", "/generate", self.generate),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("POST", "/load_lora_adapter", self.load_lora_adapter),
+            ("POST", "/unload_lora_adapter", self.unload_lora_adapter),
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
@@ -215,6 +219,14 @@ class InferenceServer:
         if body.get("stream"):
             raise BadRequest("streaming is not supported by this server")
         items = _split_batch(body)
+        for item in items:
+            named = item.get("lora_path")
+            if named is not None and named != self.adapter:
+                serving = f"adapter {self.adapter!r}" if self.adapter else "no adapter"
+                raise BadRequest(
+                    f"lora_path {named!r} is not loaded: this server serves {serving} (one "
+                    "at a time, merged into its weights; /load_lora_adapter loads another)"
+                )
         reqs = [GenerateRequest.from_dict(item) for item in items]
         outs = await asyncio.gather(*(self.engine.generate(r) for r in reqs))
         results = [o.to_dict(r.return_logprob) for o, r in zip(outs, reqs, strict=True)]
@@ -241,6 +253,8 @@ class InferenceServer:
             abort_all_requests=bool(body.get("abort_all_requests", False)),
         )
         ok, message, stats = await asyncio.wrap_future(update)
+        if ok:
+            self.adapter = None  # what it loaded is the whole model now, named by no adapter
         paused = stats.num_running + stats.num_waiting if stats.paused else 0
         # SGLang's three fields, plus the version now served (saves a /model_info call).
         content = {
@@ -250,6 +264,37 @@ class InferenceServer:
             "weight_version": stats.weight_version,
         }
         return web.json_response(content, status=200 if ok else 400)
+
+    # LoRA, SGLang's routes and answers (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput):
+    # this server holds one adapter at a time, merged into its weights (weight_loader), so
+    # a load is a weight update whose version label stays; unload goes back to the base.
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            raise BadRequest("lora_name and lora_path are required")
+        if refused := weight_path_problem(str(path), self.weight_roots):
+            return web.json_response({"success": False, "error_message": refused}, status=403)
+        ok, message, _ = await asyncio.wrap_future(self.engine.submit_weight_update(path))
+        if not ok:
+            return web.json_response({"success": False, "error_message": message}, status=400)
+        self.adapter = str(name)
+        return web.json_response({"success": True, "loaded_adapters": {self.adapter: str(path)}})
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        name = (await _body(request)).get("lora_name")
+        if name is None or name != self.adapter:
+            message = f"adapter {name!r} is not loaded (loaded: {self.adapter!r})"
+            return web.json_response({"success": False, "error_message": message}, status=400)
+        base = self.engine.base_path
+        ok, message, _ = await asyncio.wrap_future(self.engine.submit_weight_update(base))
+        if ok:
+            self.adapter = None
+        return web.json_response(
+            {"success": ok, "error_message": None if ok else message, "loaded_adapters": {}},
+            status=200 if ok else 500,
+        )
 
     # The distributed weight update (areal_cli.inference.weight_receiver): SGLang's routes
     # and answers. Like a load from disk, it needs a server allowed to load weights.

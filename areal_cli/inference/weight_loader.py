@@ -177,9 +177,10 @@ class WeightLoader:
     the lock itself, from any thread. The lock covers the staging and serving buffers and
     the read-ahead result."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, base: Path) -> None:
         self.table = WeightTable(model)
         self.device = device
+        self.base = base  # the model folder a LoRA adapter's folder is merged into
         self.lock = threading.Lock()
         self.served_identity: tuple = ()  # of the files last swapped in
         self._staging: list[bytearray] = []
@@ -204,12 +205,12 @@ class WeightLoader:
             if self.released:  # reading would take back the memory given to the trainer
                 return False
             try:
-                files = safetensors_files(folder)
+                files = self._files(folder)
                 identity = file_identity(files)
                 if identity == self.served_identity:  # its update came first
                     return True
                 self._ahead = None
-                tensors = self.table.match(read_safetensors(files, self._staging))
+                tensors = self._read(folder)
             except WeightLoadError as exc:
                 logger.debug("not read ahead: %s: %s", folder, exc)
                 return False
@@ -219,12 +220,46 @@ class WeightLoader:
     def load(self, path: Path) -> tuple[dict[str, torch.Tensor], tuple, bool]:
         """Validated tensors of `path` in the staging buffers, the files' identity, and
         whether they had been read ahead. Hold `lock`."""
-        files = safetensors_files(path)
-        identity = file_identity(files)
+        identity = file_identity(self._files(path))
         ahead, self._ahead = self._ahead, None  # staging gets reused either way
         if ahead is not None and ahead.identity == identity:
             return ahead.tensors, identity, True
-        return self.table.match(read_safetensors(files, self._staging)), identity, False
+        return self._read(path), identity, False
+
+    def _files(self, folder: Path) -> list[Path]:
+        """The files whose identity tells a version of `folder` apart: its safetensors, or
+        for a LoRA adapter folder its two files and the base model's safetensors."""
+        from areal_cli.rundir.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_folder
+
+        if is_adapter_folder(folder):
+            return [
+                *safetensors_files(self.base),
+                folder / ADAPTER_CONFIG,
+                folder / ADAPTER_WEIGHTS,
+            ]
+        return safetensors_files(folder)
+
+    def _read(self, folder: Path) -> dict[str, torch.Tensor]:
+        """Read `folder` into the staging buffers and check it against the model. A LoRA
+        adapter folder (PEFT's layout) is merged into the base model's weights, read
+        again from `base` each time (from the page cache), so merges never accumulate
+        rounding and the result is exactly what `convert-checkpoint --merge-lora` writes.
+        Merged in, the adapter costs decoding nothing (one adapter is served at a time)."""
+        from areal_cli.models.lora import AdapterError, merge_into, read_adapter
+        from areal_cli.rundir.layout import is_adapter_folder
+
+        if not is_adapter_folder(folder):
+            return self.table.match(read_safetensors(safetensors_files(folder), self._staging))
+        from areal_cli.rundir.layout import adapter_problem
+
+        if problem := adapter_problem(folder):
+            raise WeightLoadError(problem)
+        try:
+            adapter = read_adapter(folder)
+            base = read_safetensors(safetensors_files(self.base), self._staging)
+            return self.table.match(merge_into(base, adapter))
+        except AdapterError as exc:
+            raise WeightLoadError(str(exc)) from exc
 
     def swap_in(self, tensors: dict[str, torch.Tensor], identity: tuple) -> None:
         """Make `tensors` (from `load`) the live weights. Hold `lock`."""
@@ -251,11 +286,30 @@ class WeightLoader:
         """Make a whole version received over the weight-update group the live weights
         (checked as a folder is; raises WeightLoadError). They are their own memory, not
         the staging buffers', so the buffers the model ran on are free for the next read
-        from disk. Hold `lock`."""
+        from disk. A LoRA run sends its adapters only (every name ends in lora_A or
+        lora_B, and B comes times its scale: trainer.weight_sender): they are merged into
+        the base weights, read from `base` as for an adapter folder. Hold `lock`."""
+        self._ahead = None
+        if received and all(k.endswith((".lora_A", ".lora_B")) for k in received):
+            self.swap_in(self._merged_received(received), ())
+            return
         self.table.swap_in(self.table.match(received))
         self.served_identity = ()
-        self._ahead = None
         self.empty = False
+
+    def _merged_received(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The base weights (in the staging buffers) with received adapters merged in."""
+        from areal_cli.models.lora import Adapter, AdapterError, LoraSpec, merge_into
+
+        tensors = {k: v.float().cpu() for k, v in received.items()}
+        rank = next(v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A"))
+        modules = tuple(sorted({k.rsplit(".", 1)[0] for k in tensors}))
+        adapter = Adapter(LoraSpec(rank, float(rank), modules), str(self.base), tensors)  # scale 1
+        try:
+            base = read_safetensors(safetensors_files(self.base), self._staging)
+            return self.table.match(merge_into(base, adapter))
+        except AdapterError as exc:
+            raise WeightLoadError(str(exc)) from exc
 
     def watch(
         self, directory: Path, prefix: str, poll_s: float, stopping: Callable[[], bool]

@@ -84,6 +84,21 @@ def print_plan(
         console.print(f"  {directory}", markup=False, highlight=False)
 
 
+def trainer_memory_lines(cfg: Any, plan: LaunchPlan) -> list[str]:
+    """A trainer rank's parameters, gradients and optimizer state, when the model's
+    config.json is here (config.phase_memory; LoRA counts the adapters' state only)."""
+    from areal_cli.config.model_info import model_config
+    from areal_cli.config.phase_memory import trainer_line
+
+    config = model_config(cfg.model.path)
+    if plan.allocation.train is None or not config:
+        return []
+    try:
+        return [trainer_line(cfg, config, plan.allocation.train.world_size)]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return []  # not a Llama-style config
+
+
 def colocation_lines(cfg: Any, plan: LaunchPlan) -> list[str]:
     """What a colocated plan ('|') shares, and its memory per phase when the model's sizes
     are known here (config.phase_memory)."""
@@ -130,6 +145,7 @@ def print_dry_run(
         script = render_sbatch(loaded.config, plan, command, os.getcwd())
     if json_out:
         data = plan.to_dict(secret=secret)
+        data["trainer_memory"] = trainer_memory_lines(loaded.config, plan)
         if plan.allocation.colocated:
             data["colocation"] = colocation_lines(loaded.config, plan)
         if script is not None:
@@ -138,7 +154,10 @@ def print_dry_run(
         return
     console = make_console()
     print_plan(plan, console, secret=secret, trainer=trainer)
-    for line in colocation_lines(loaded.config, plan):
+    for line in [
+        *trainer_memory_lines(loaded.config, plan),
+        *colocation_lines(loaded.config, plan),
+    ]:
         console.print(line, markup=False, highlight=False)
     rollout = loaded.config.rollout
     if rollout.agent:

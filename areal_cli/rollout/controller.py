@@ -142,6 +142,7 @@ async def run_loop(
         logs={s.address: s.log for s in servers},
         backend=backend,
         served_model=servers[0].served_model,
+        lora_name=cfg.gconfig.lora_name or cfg.experiment_name,
     )
     rewards = RewardPool.from_config(cfg.reward, loaded.recipe.resolve().parent)
     try:

@@ -5,6 +5,9 @@
                       RUN/checkpoints/step-N, RUN/model
   a run directory     config.yaml and plan.json: its newest finished weights/vN
   a DCP checkpoint    RUN/recover/step-N (a folder with dcp/.metadata, or .metadata)
+  a LoRA adapter      PEFT's adapter_config.json and adapter_model.safetensors: a LoRA
+                      run's weights/vN and checkpoints/step-N (its base model is the one
+                      adapter_config.json names)
 
 Anything else is a `CheckpointError` whose one line lists these kinds. What each command
 does with a DCP checkpoint is its own: eval and convert-checkpoint convert it, serve asks
@@ -17,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_cli.rundir import handoff
+from areal_cli.rundir.layout import is_adapter_folder
 from areal_cli.rundir.paths import VERSION_PREFIX, RunDir
 
 KINDS = (
-    "an HF folder (config.json and *.safetensors), a run directory (its newest weights/vN), "
+    "an HF folder (config.json and *.safetensors), a LoRA adapter folder, a run directory (its newest weights/vN), "
     "RUN/weights/vN, RUN/checkpoints/step-N or RUN/recover/step-N"
 )
 
@@ -34,7 +38,7 @@ class Located:
     """What a checkpoint argument names: an HF folder or a DCP checkpoint, and the run
     directory it belongs to (None for a folder outside any run)."""
 
-    kind: str  # "hf" or "dcp"
+    kind: str  # "hf", "dcp" or "lora"
     path: Path  # the HF folder, or the DCP checkpoint as named (RUN/recover/step-N)
     run_dir: Path | None
 
@@ -59,6 +63,8 @@ def locate(path: Path) -> Located:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; give {KINDS}")
     path = path.resolve()
+    if is_adapter_folder(path):
+        return Located("lora", path, run_dir_containing(path))
     if (path / "config.json").is_file():
         if not any(path.glob("*.safetensors")):
             raise CheckpointError(f"{path} has config.json but no *.safetensors; give {KINDS}")
@@ -72,5 +78,5 @@ def locate(path: Path) -> Located:
                 f"run directory {path} has no finished weights/vN yet; give one of its "
                 "checkpoints (RUN/checkpoints/step-N, RUN/recover/step-N) instead"
             )
-        return Located("hf", entry.path, path)
+        return Located("lora" if is_adapter_folder(entry.path) else "hf", entry.path, path)
     raise CheckpointError(f"{path} is not a checkpoint; give {KINDS}")

@@ -23,6 +23,30 @@ _MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
 _NOT_MODEL_FILES = ("model.safetensors.index.json", handoff.MANIFEST)
 
 
+# A LoRA adapter folder, in PEFT's layout (areal_cli.models.lora writes and reads it).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_adapter_folder(folder: str | Path) -> bool:
+    """Whether `folder` holds a LoRA adapter (PEFT's adapter_config.json), not a model."""
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_problem(folder: str | Path) -> str:
+    """Why the adapter folder must not be served ('' when it may): a handoff entry (a
+    run's weights/vN, checkpoints/step-N) whose files fail their manifest's sizes or
+    CRC-32s. An adapter is a few MB, so every load checks it whole; a folder without a
+    manifest (one made by PEFT) is taken as it is."""
+    if not (Path(folder) / handoff.MANIFEST).is_file():
+        return ""
+    try:
+        handoff.read_entry(Path(folder), verify_crc=True)
+    except handoff.IncompleteEntry as exc:
+        return f"refused adapter: {exc}"
+    return ""
+
+
 def run_dir_of(cfg: ExperimentConfig) -> Path:
     """FILEROOT/EXPERIMENT/TRIAL, absolute."""
     return (

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from areal_cli.models.lora import LoraSpec
 from areal_cli.rundir import handoff
 from areal_cli.rundir.paths import STEP_PREFIX, step_name
 from areal_cli.trainer import collectives
@@ -81,7 +82,7 @@ def save_recover(
     collectives.barrier()
     everything = {}
     for name, (m, o) in {"model": (model, optimizer), **(extra or {})}.items():
-        everything[name], everything[_optim_key(name)] = get_state_dict(m, o)
+        everything[name], everything[_optim_key(name)] = get_state_dict(m, o, options=_options(m))
     with _quiet_alone():
         dcp.save(everything, checkpoint_id=str(tmp / "dcp"), no_dist=_alone())
     torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
@@ -120,7 +121,7 @@ def load_recover(
             raise ValueError(f"{entry.path} holds no {name} (it was saved by another algorithm)")
     target = {}
     for name, (m, o) in models.items():
-        target[name], optim_sd = get_state_dict(m, o)
+        target[name], optim_sd = get_state_dict(m, o, options=_options(m))
         if has_optim:
             target[_optim_key(name)] = optim_sd
     with _quiet_alone():
@@ -128,14 +129,29 @@ def load_recover(
     for name, (m, o) in models.items():
         if has_optim:
             set_state_dict(
-                m, o, model_state_dict=target[name], optim_state_dict=target[_optim_key(name)]
+                m,
+                o,
+                model_state_dict=target[name],
+                optim_state_dict=target[_optim_key(name)],
+                options=_options(m),
             )
         else:
-            set_model_state_dict(m, target[name])
+            set_model_state_dict(m, target[name], options=_options(m))
     rng_file = entry.path / f"rng-rank{collectives.rank()}.pt"
     if entry.meta.get("world_size") == collectives.world_size() and rng_file.exists():
         _set_rng_state(load_rng_file(rng_file))
     return json.loads((entry.path / "state.json").read_text())
+
+
+def _options(model: nn.Module) -> Any:
+    """How a model's state goes into a recover entry: whole; or, when some parameters are
+    frozen (a LoRA run's base), the trained ones only, since the frozen ones are rebuilt
+    from the base model at every start (a LoRA entry holds the adapters, not the model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _optim_key(name: str) -> str:
@@ -346,6 +362,50 @@ class Checkpointer:
         if rank == 0:
             all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
             records = [handoff.combine_pieces(file_name, plan.size, all_pieces), *links]
+            path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
+            if keep_last:
+                self._collect_in_background(parent, prefix, keep_last)
+        collectives.barrier()
+        return path
+
+    def export_adapter(
+        self,
+        parent: Path,
+        name: str,
+        version: int,
+        model: nn.Module,
+        spec: LoraSpec,
+        model_dir: Path,
+        meta: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+        prefix: str = "v",
+    ) -> Path | None:
+        """Publish a LoRA run's adapters as PARENT/NAME in PEFT's layout (collective):
+        `adapter_config.json` (its base model: `model_dir`) and `adapter_model.safetensors`,
+        with the base model's tokenizer files, as one handoff entry. The adapters are
+        small, so every rank gathers each one whole and rank 0 writes them."""
+        from areal_cli.models.lora import adapter_state, write_adapter
+        from areal_cli.rundir.layout import model_files_to_copy
+
+        meta = {**(meta or {}), "publish_started": time.time(), "lora": True}
+        rank = collectives.rank()
+        with torch.no_grad():  # every rank walks the same keys: full_tensor() gathers
+            tensors = {k: collectives.full_tensor(v) for k, v in adapter_state(model).items()}
+        path = None
+        if rank == 0:
+            self.wait_for_cleanup()
+            if parent not in self._swept:
+                handoff.remove_stale(parent)
+                self._swept.add(parent)
+            tmp = handoff.new_tmp_dir(parent, name)
+            base = str(model_dir.resolve())
+            records = write_adapter(tmp, {k: v.cpu() for k, v in tensors.items()}, spec, base)
+            records += [
+                handoff.link_or_copy(src, tmp)
+                for src in model_files_to_copy(model_dir)
+                if src.name != "config.json"  # a model's config would make it look whole
+            ]
+            meta["base_model"] = base
             path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
             if keep_last:
                 self._collect_in_background(parent, prefix, keep_last)

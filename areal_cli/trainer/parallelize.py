@@ -34,6 +34,7 @@ from torch import nn
 
 from areal_cli.config.model_info import parallel_problem
 from areal_cli.config.schema import FSDPEngineConfig, torch_dtype
+from areal_cli.models.lora import LoraSpec
 from areal_cli.trainer.mesh import TrainerMesh
 
 # The plan of every architecture in TP_MODEL_TYPES: all are Llama-shaped (Qwen2 adds q/k/v
@@ -139,6 +140,11 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     if problem:
         raise ValueError(problem)
     if tmesh.tp > 1:
+        if any(name.endswith(".lora_A") for name, _ in model.named_parameters()):
+            raise ValueError(
+                "LoRA (actor.use_lora) with tensor parallelism (t > 1) is not built; "
+                "use d and c only"
+            )
         apply_tensor_parallel(model, tmesh)
     # attention per packed sequence; with cp > 1, over whole sequences through all-to-alls
     if _own(model):
@@ -231,12 +237,17 @@ def build_sharded_model(
     *,
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
+    lora: LoraSpec | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """An FSDP2-sharded causal LM with the weights of `model_dir`: our own decoder for the
     Llama family (areal_cli.models.decoder), transformers' for any other; or a
-    `ScalarHeadModel` when `model_dir` is a sequence-classification folder."""
+    `ScalarHeadModel` when `model_dir` is a sequence-classification folder. With `lora`,
+    the targeted linear layers get adapters (areal_cli.models.lora), fresh from `seed`
+    and alike on every rank, and only the adapters train."""
     import torch.distributed as dist
 
+    from areal_cli.models import lora as lora_lib
     from areal_cli.models.decoder import DecoderConfig, DecoderLM, allocate, unsupported
     from areal_cli.models.scalar_head import is_scalar_config
 
@@ -254,6 +265,8 @@ def build_sharded_model(
             else:
                 model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
         model.config.use_cache = False
+    if lora is not None:
+        lora_lib.inject(model, lora)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     parallelize(model, tmesh, cfg)
@@ -272,6 +285,8 @@ def build_sharded_model(
     full = _load_full_state(model_dir) if (not rank0_only or dist.get_rank() == 0) else {}
     if getattr(config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)
+    if lora is not None and (not rank0_only or dist.get_rank() == 0):
+        full.update(lora_lib.initial_state(model, seed))
     if rank0_only:
         # imported here: ~0.7 s of a rank's start-up, on the way to its first step
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from areal_cli.config.schema import ExperimentConfig, ParallelStrategy
+from areal_cli.models.lora import spec_of
 from areal_cli.rundir import handoff
 from areal_cli.rundir.heartbeat import Heartbeat
 from areal_cli.rundir.paths import STEP_PREFIX, RunDir, step_name, version_name
@@ -135,7 +136,8 @@ def vocab_size(model: nn.Module) -> int:
 
 def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, float, float]:
     """Per rank, the largest over ranks (collective): peak resident memory so far, the
-    MB of this rank's shards of parameters, gradients (as large) and optimizer state, and
+    MB of this rank's shards of parameters, gradients (of the trained ones) and optimizer
+    state, and
     the peak of the GPU memory torch allocated (0 on a CPU)."""
     import resource
 
@@ -144,6 +146,7 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float
         return local.numel() * local.element_size()
 
     params = sum(local_bytes(p) for p in model.parameters())
+    grads = sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
     state = sum(
         local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
@@ -151,7 +154,7 @@ def memory_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float
     device = next(model.parameters()).device
     gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     peak_rss, state_mb, gpu_mb = collectives.reduce_values(
-        [rss / 2**20, (2 * params + state) / 2**20, gpu / 2**20], "max"
+        [rss / 2**20, (params + grads + state) / 2**20, gpu / 2**20], "max"
     )
     return peak_rss, state_mb, gpu_mb
 
@@ -187,7 +190,10 @@ class TrainerState:
         mesh = build_mesh(device_type, strategy)
         torch.manual_seed(cfg.seed)
         beat.phase("build model")
-        model = build_sharded_model(model_dir, mesh, cfg.actor.fsdp, **model_options(cfg))
+        lora = spec_of(cfg.actor)
+        model = build_sharded_model(
+            model_dir, mesh, cfg.actor.fsdp, **model_options(cfg), lora=lora, seed=cfg.seed
+        )
         optimizer, scheduler = build_optimizer(model, cfg)
         run = RunDir(run_dir)
         actor = Trainable(model, optimizer, scheduler, model_dir, run.checkpoints)
@@ -245,7 +251,13 @@ class TrainerState:
         else:
             keep, prefix = self.cfg.saver.keep_last, STEP_PREFIX
             targets = [(t.checkpoints, step_name(step), t) for t in self.trainables().values()]
+        lora = spec_of(self.cfg.actor)
         for parent, name, t in targets:
+            if lora is not None and t is self.actor:  # the adapters only, in PEFT's layout
+                self.checkpointer.export_adapter(
+                    parent, name, step, t.model, lora, t.model_dir, meta, keep, prefix=prefix
+                )
+                continue
             self.checkpointer.export_hf(
                 parent, name, step, t.model, t.model_dir, meta, keep, prefix=prefix
             )

@@ -54,11 +54,23 @@ class WeightSendFailed(RuntimeError):
     """A version could not be sent to the servers (the message says where it stopped)."""
 
 
-def sent_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def sent_items(model: nn.Module) -> list[tuple[str, torch.Tensor, float]]:
     """The tensors a version holds, by checkpoint name, in the order they travel (the
-    exported folder's: a tied lm_head is left out, as there)."""
+    exported folder's: a tied lm_head is left out, as there), each with the factor it is
+    sent times. A LoRA model sends its adapters only (`...lora_A`, `...lora_B`), B times
+    the adapter's scale alpha / r, so that a receiver merges W + B A with no config."""
+    from areal_cli.models.lora import LoraLinear
+
+    scales = {f"{n}.lora_B": m.scale for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    if scales:
+        return [
+            (k, v, scales.get(k, 1.0))
+            for k, v in model.state_dict().items()
+            if k.endswith((".lora_A", ".lora_B"))
+        ]
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    return [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+    items = model.state_dict().items()
+    return [(k, v, 1.0) for k, v in items if not (tied and k == "lm_head.weight")]
 
 
 class WeightSender:
@@ -111,7 +123,7 @@ class WeightSender:
         meta = {**meta, "publish_started": time.time()}  # the handoff figures start here
         items = sent_items(model)
         plan = buckets(
-            [(n, dtype_name(t.dtype), list(t.shape)) for n, t in items], self.bucket_bytes
+            [(n, dtype_name(t.dtype), list(t.shape)) for n, t, _ in items], self.bucket_bytes
         )
         rank = collectives.rank()
         failure = None
@@ -134,7 +146,10 @@ class WeightSender:
             handoff.gc(self.weights_dir, "v", keep_last)
 
     def _send(
-        self, items: list[tuple[str, torch.Tensor]], plan: list[list[TensorMeta]], version: int
+        self,
+        items: list[tuple[str, torch.Tensor, float]],
+        plan: list[list[TensorMeta]],
+        version: int,
     ) -> str | None:
         """Every rank gathers each tensor of a bucket, rank 0 broadcasts the bucket; rank
         0 returns why it failed (None: sent). After a failure rank 0 still gathers, so
@@ -146,9 +161,9 @@ class WeightSender:
         for n, bucket in enumerate(plan):
             gathered = []
             for _ in bucket:
-                _, tensor = next(tensors)
-                full = collectives.full_tensor(tensor)
-                gathered.append(full.detach().contiguous())
+                _, tensor, factor = next(tensors)
+                full = collectives.full_tensor(tensor).detach()
+                gathered.append((full * factor if factor != 1.0 else full).contiguous())
             if rank != 0 or failure is not None:
                 continue
             try:

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -185,10 +186,15 @@ def dcp_to_hf(
     src: Source, tmp: Path, model_dir: Path, dtype: torch.dtype | None, max_shard: int
 ) -> list[handoff.FileRecord]:
     """Stream a DCP checkpoint into HF safetensors shards plus config and tokenizer."""
-    from areal_cli.rundir.layout import model_files_to_copy
     from areal_cli.rundir.safetensors_io import StreamingWriter
 
     specs = _dcp_model_tensors(src.path, src.prefix)
+    if any(name.endswith((".lora_A", ".lora_B")) for name, _, _ in specs):
+        raise ConvertError(
+            f"{src.entry} is a LoRA run's recover entry: it holds the adapters, not the "
+            "frozen base; convert the run's adapter folders (checkpoints/step-N, "
+            "weights/vN) with --merge-lora instead"
+        )
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("tie_word_embeddings"):
         specs = [s for s in specs if s[0] != "lm_head.weight"]
@@ -216,13 +222,39 @@ def dcp_to_hf(
                 tmp, "model.safetensors.index.json", json.dumps(index, indent=1).encode()
             )
         )
+    return records + _model_files(tmp, model_dir, config, dtype)
+
+
+def _model_files(
+    tmp: Path, model_dir: Path, config: dict, dtype: torch.dtype | None
+) -> list[handoff.FileRecord]:
+    """Config, generation config and tokenizer files of `model_dir` into `tmp`; the
+    config names `dtype` when the weights were cast."""
+    from areal_cli.rundir.layout import model_files_to_copy
+
+    records = []
     for src_file in model_files_to_copy(model_dir):
         data = src_file.read_bytes()
         if src_file.name == "config.json" and dtype is not None:
-            config["dtype"] = str(dtype).removeprefix("torch.")
+            config = {**config, "dtype": str(dtype).removeprefix("torch.")}
             data = json.dumps(config, indent=2).encode()
         records.append(handoff.write_bytes(tmp, src_file.name, data))
     return records
+
+
+def _finish(tmp: Path, dst: Path, records: list[handoff.FileRecord], meta: dict) -> None:
+    """The output's manifest into `tmp`, fsynced (before any check reads it)."""
+    manifest = {"name": dst.name, "version": 0, "meta": meta, "files": [vars(r) for r in records]}
+    handoff.write_json_atomic(tmp / handoff.MANIFEST, manifest)
+    handoff.fsync_dir(tmp)
+
+
+def _put_in_place(tmp: Path, dst: Path) -> None:
+    """Rename the checked output over DST (an earlier output, when --force)."""
+    if dst.exists():
+        handoff.remove_entry(dst) if dst.is_dir() else dst.unlink()
+    os.rename(tmp, dst)
+    handoff.fsync_dir(dst.parent)
 
 
 def _plan_shards(specs: list[tuple[str, torch.Size, torch.dtype]], max_shard: int) -> list[list]:
@@ -348,21 +380,11 @@ def convert(
             records = dcp_to_hf(src, tmp, model_dir, to_dtype, max_shard)
         else:
             records = hf_to_dcp(src, tmp, to_dtype)
-        manifest = {
-            "name": dst.name,
-            "version": 0,
-            "meta": {"converted_from": str(src.entry), "format": target},
-            "files": [vars(r) for r in records],
-        }
-        handoff.write_json_atomic(tmp / handoff.MANIFEST, manifest)
-        handoff.fsync_dir(tmp)
+        _finish(tmp, dst, records, {"converted_from": str(src.entry), "format": target})
         verdict = verify(tmp, src) if check else None
         if verdict is not None and not verdict.ok:
             raise VerifyFailed(verdict)
-        if dst.exists():
-            handoff.remove_entry(dst) if dst.is_dir() else dst.unlink()
-        os.rename(tmp, dst)
-        handoff.fsync_dir(dst.parent)
+        _put_in_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -476,3 +498,138 @@ def _tensors(side: Source) -> Iterator[tuple[str, torch.Tensor]]:
     if side.kind == "dcp":
         return iter_dcp_tensors(side.path, None, prefix=side.prefix)
     return iter_hf_tensors(side.path)
+
+
+# ---------------------------------------------------------------- LoRA -> HF (--merge-lora)
+
+
+def adapter_base(adapter: Path, override: Path | None) -> Path:
+    """The base model folder of a LoRA adapter folder: --model-config, else the one its
+    adapter_config.json names (a local folder)."""
+    if override is not None:
+        base = override
+    else:
+        from areal_cli.rundir.layout import ADAPTER_CONFIG
+
+        try:
+            named = json.loads((adapter / ADAPTER_CONFIG).read_text()).get(
+                "base_model_name_or_path"
+            )
+        except (OSError, ValueError) as exc:
+            raise ConvertError(f"cannot read {adapter / ADAPTER_CONFIG}: {exc}") from exc
+        if not named:
+            raise ConvertError(f"{adapter} names no base model; pass --model-config BASE_DIR")
+        base = Path(named)
+    if not (base / "config.json").is_file() or not list(base.glob("*.safetensors")):
+        raise ConvertError(
+            f"the base model {base} is not an HF folder on this machine; pass --model-config BASE_DIR"
+        )
+    return base
+
+
+def merge_lora(
+    src: Path,
+    dst: Path,
+    *,
+    dtype: str | None,
+    max_shard_size: str,
+    force: bool,
+    model_config: Path | None,
+    check: bool = False,
+) -> tuple[Path, float | None]:
+    """Write the LoRA adapter folder SRC merged into its base model as an HF folder DST
+    (atomically, as `convert`), one tensor at a time; the merge is models.lora's, the
+    one the embedded server applies. With `check`, the max |logit difference| between
+    DST and the base with the adapter applied on the fly (VerifyFailed above
+    VERIFY_TOLERANCE, and DST is left as it was)."""
+    from areal_cli.models.lora import AdapterError, read_adapter
+
+    try:
+        adapter = read_adapter(src)
+    except AdapterError as exc:
+        raise ConvertError(str(exc)) from exc
+    base = adapter_base(src, model_config)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not force:
+            raise ConvertError(f"{dst} exists and is not empty; pass --force to replace it")
+        _check_replaceable(dst, src)
+    to_dtype = torch_dtype(dtype) if dtype else None
+    config = json.loads((base / "config.json").read_text())
+    specs = []
+    for name, tensor in iter_hf_tensors(base):
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        specs.append((name, tensor.shape, to_dtype or tensor.dtype))
+    adapted = {f"{m}.weight" for m in adapter.modules()}
+    absent = sorted(adapted - {n for n, _, _ in specs})
+    if absent:
+        raise ConvertError(f"the adapter adapts {absent[:3]}, which {base} lacks (another base?)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".tmp-{dst.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        records = _write_merged(tmp, base, adapter, specs, parse_size(max_shard_size))
+        records += _model_files(tmp, base, config, to_dtype)
+        _finish(
+            tmp, dst, records, {"merged_from": str(src), "base_model": str(base), "format": "hf"}
+        )
+        diff = _merged_logit_diff(tmp, base, adapter) if check else None
+        if diff is not None and diff > VERIFY_TOLERANCE:
+            raise VerifyFailed(Verdict(specs[0][2], [], diff, diff))
+        _put_in_place(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst, diff
+
+
+def _write_merged(
+    tmp: Path, base: Path, adapter: Any, specs: list, max_shard: int
+) -> list[handoff.FileRecord]:
+    """The base's tensors into safetensors shards in `tmp`, one at a time, each adapted
+    one merged (models.lora.merged_weight) on its way."""
+    from areal_cli.models.lora import merged_weight
+    from areal_cli.rundir.safetensors_io import StreamingWriter
+
+    shards = _plan_shards(specs, max_shard)
+    adapted = {f"{m}.weight" for m in adapter.modules()}
+    records, weight_map = [], {}
+    tensors = iter_hf_tensors(base)  # in the order `specs` was made
+    for shard, file_name in zip(shards, _shard_names(len(shards)), strict=True):
+        writer = StreamingWriter(tmp, file_name, [(n, d, tuple(s)) for n, s, d in shard])
+        for name, _, out_dtype in shard:
+            got, tensor = next(tensors)
+            while got != name:  # a tied lm_head, left out
+                got, tensor = next(tensors)
+            if name in adapted:
+                module = name.removesuffix(".weight")
+                a, b = adapter.tensors[f"{module}.lora_A"], adapter.tensors[f"{module}.lora_B"]
+                tensor = merged_weight(tensor, a, b, adapter.spec.scale)
+            writer.put(tensor.to(out_dtype))
+            weight_map[name] = file_name
+        records.append(writer.close())
+    if len(shards) > 1:
+        data = json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1).encode()
+        records.append(handoff.write_bytes(tmp, "model.safetensors.index.json", data))
+    return records
+
+
+def _merged_logit_diff(merged: Path, base: Path, adapter) -> float:
+    """Max |logit difference| (fp32) between the merged folder and the base model with
+    the adapter applied on the fly (models.lora's layer), on a fixed input."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from areal_cli.models import lora
+
+    hf_logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(base)
+    ids = (torch.arange(32) * 7919 % config.vocab_size).unsqueeze(0)
+    on_the_fly = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    lora.inject(
+        on_the_fly, lora.LoraSpec(adapter.spec.rank, adapter.spec.alpha, tuple(adapter.modules()))
+    )
+    on_the_fly.load_state_dict(adapter.tensors, strict=False)
+    folded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return float((on_the_fly(input_ids=ids).logits - folded(input_ids=ids).logits).abs().max())

@@ -34,6 +34,6 @@ def run_gpu_check(only: str) -> list[str]:
 
 def test_gpu_check_passes_on_the_cpu() -> None:
     rows = run_gpu_check("trainer,engine,colocated,throughput")
-    assert len(rows) == 5
+    assert len(rows) == 6
     table = "\n".join(rows)
-    assert "colocated demo" in table and "tokens/s" in table
+    assert "colocated demo" in table and "tokens/s" in table and "trainer: LoRA" in table

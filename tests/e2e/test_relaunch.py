@@ -108,6 +108,8 @@ LAYOUTS = {
     "disk": ["rollout.max_staleness=1"],
     "distributed": ["rollout.max_staleness=1", "actor.weight_update.method=distributed"],
     "colocated": ["allocation_mode=embedded:d1|fsdp:d1", "rollout.max_staleness=0"],
+    # each version an adapter: the restarted server loads the current one before traffic
+    "lora": ["rollout.max_staleness=1", "actor.use_lora=true", "actor.lora_rank=8"],
 }
 
 

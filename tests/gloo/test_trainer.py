@@ -72,18 +72,24 @@ def test_one_rank_equals_two_ranks_two_microbatches(tmp_path: Path, model_dir: P
         assert _max_diff(_weights(runs["single"], version), _weights(runs["split"], version)) < 1e-5
 
 
-def test_resume_is_exact(tmp_path: Path, model_dir: Path) -> None:
-    """4 straight steps == 2 steps, stop, resume, 2 more, bit for bit. (A checkpoint that
-    resumes in another layout, where DCP reshards, is test_tensor_parallel's: d2 into t2,
-    c2 and t2c2.)"""
+def straight_and_resumed(tmp_path: Path, model_dir: Path, **keys: object) -> tuple[Path, Path]:
+    """Two 2-rank runs on the same 4 batches (recover entries every step, with `keys`):
+    straight through, and 2 steps, stop, --resume; their run directories."""
     batches = make_batches(tmp_path / "batches", 4)
-    extra = {"recover.freq_steps": 1, "recover.keep_last": 2}
+    extra = {"recover.freq_steps": 1, "recover.keep_last": 2, **keys}
     straight = write_config(tmp_path / "a.yaml", model_dir, tmp_path / "a", **extra)
     torchrun(2, straight, "--batches", str(batches))
     resumed = write_config(tmp_path / "b.yaml", model_dir, tmp_path / "b", **extra)
     torchrun(2, resumed, "--batches", str(batches), "--steps", "2")
     torchrun(2, resumed, "--batches", str(batches), "--resume")
-    run_a, run_b = tmp_path / "a" / "gloo" / "t", tmp_path / "b" / "gloo" / "t"
+    return tmp_path / "a" / "gloo" / "t", tmp_path / "b" / "gloo" / "t"
+
+
+def test_resume_is_exact(tmp_path: Path, model_dir: Path) -> None:
+    """4 straight steps == 2 steps, stop, resume, 2 more, bit for bit. (A checkpoint that
+    resumes in another layout, where DCP reshards, is test_tensor_parallel's: d2 into t2,
+    c2 and t2c2.)"""
+    run_a, run_b = straight_and_resumed(tmp_path, model_dir)
     losses_a = [m["loss"] for m in _metrics(run_a)]
     losses_b = [m["loss"] for m in _metrics(run_b)]
     assert losses_a == losses_b  # bit-identical

@@ -86,7 +86,8 @@ def test_missing_model_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nope'} does not exist; give an HF folder (config.json and "
-        "*.safetensors), a run directory (its newest weights/vN), RUN/weights/vN, "
+        "*.safetensors), a LoRA adapter folder, a run directory (its newest weights/vN), "
+        "RUN/weights/vN, "
         "RUN/checkpoints/step-N or RUN/recover/step-N, or builtin:tiny-arith"
     ]
 

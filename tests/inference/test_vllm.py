@@ -589,3 +589,99 @@ def test_areal_serve_runs_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130  # stopped by Ctrl-C, as the README says
+
+
+LORA_TYPES = """
+import json, sys
+from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+load, unload, generate = (json.loads(a) for a in sys.argv[1:4])
+LoadLoRAAdapterRequest(**load)
+UnloadLoRAAdapterRequest(**unload)
+assert GenerateRequest(**generate).model == generate["model"]
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[4:])
+lora = AsyncEngineArgs.from_cli_args(args)
+print(lora.enable_lora, lora.max_lora_rank, lora.max_loras)
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_lora_bodies_and_flags_are_vllms_own() -> None:
+    """What the backend sends for LoRA parses with vLLM's own types and parser: the load
+    and unload bodies, a generate request naming its adapter, and the LoRA flags (rank 12
+    rounds up to vLLM's 16)."""
+    from areal_cli.inference.backends.base import ServerSpec
+
+    cfg = ExperimentConfig()
+    cfg.actor.use_lora, cfg.actor.lora_rank = True, 12
+    server = ServerSpec("/m", 8123, 0, "127.0.0.1", "cpu", "areal-run-x")
+    args = BACKENDS["vllm"].run_args(cfg, parse_allocation("vllm:d1+fsdp:d1").inference, server)
+    assert BACKENDS["vllm"].run_env(cfg, server)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    _, generate = BACKENDS["vllm"].generate_request(
+        [1, 2], {"max_new_tokens": 2}, True, None, "t-v1"
+    )
+    bodies = [{"lora_name": "t-v1", "lora_path": "/a"}, {"lora_name": "t-v0"}, generate]
+    out = subprocess.run(
+        [VLLM_PYTHON, "-c", LORA_TYPES, *(json.dumps(b) for b in bodies), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["True", "16", "2"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_loaded_adapter_generates_as_the_merged_model(tiny_model_dir: Path, tmp_path: Path):
+    """vLLM (fp32) with adapter v1 loaded through the backend: requests name it, their
+    tokens carry version 1, and their logprobs match transformers' fp32 forward of the
+    adapter merged into the base (models.lora's merge) within 1e-4."""
+    from areal_cli.launch.local import start_server
+    from tests.inference.test_lora import _adapter_folder, _merged_folder, _trained_adapter
+
+    _, state = _trained_adapter(tiny_model_dir)
+    adapter = _adapter_folder(tmp_path / "v1", tiny_model_dir, state)
+    merged = _merged_folder(tmp_path / "merged", tiny_model_dir, adapter)
+    cfg = ExperimentConfig()
+    cfg.actor.use_lora, cfg.actor.lora_rank = True, 4
+    cfg.inference.vllm.kv_cache_space_gib = 1
+    port = free_port()
+    options = ServeOptions(str(tiny_model_dir), port=port, dtype="float32")
+    argv = BACKENDS["vllm"].serve_argv(options, VLLM_PYTHON) + ["--max-model-len", "1024"]
+    argv += BACKENDS["vllm"].lora_args(cfg)
+    env = {**vllm_env(cfg, "cpu", []), "OMP_NUM_THREADS": "1"}
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    server = start_server(
+        argv, tmp_path / "server.log", f"http://127.0.0.1:{port}", env=env, timeout_s=300
+    )
+
+    async def go() -> list[dict]:
+        client = InferenceClient([server.url], backend="vllm", retries=1, lora_name="t")
+        async with client:
+            await client.update_weights_from_disk(str(adapter), 1)
+            assert client.adapter == ("t-v1", "1")
+            params = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
+            return await asyncio.gather(
+                *(client.generate(PROMPT, {**params, "sampling_seed": i}) for i in range(4))
+            )
+
+    try:
+        outs = asyncio.run(go())
+    finally:
+        server.stop(grace_s=10)
+    diffs = []
+    for out in outs:
+        assert out["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 16}]
+        logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        expected = _hf_logprobs(merged, PROMPT, out["output_ids"])
+        diffs += [abs(a - b) for a, b in zip(logprobs, expected, strict=True)]
+    print(f"vLLM fp32 with adapter v1 vs the merged v1: max |d logprob| {max(diffs):.2e}")
+    assert max(diffs) < 1e-4

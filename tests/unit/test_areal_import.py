@@ -94,12 +94,13 @@ def test_dynamic_bs_and_the_overlong_penalty_carry_over(tmp_path: Path) -> None:
 
 
 def test_a_recipe_needing_a_missing_feature_is_refused_in_one_line(tmp_path: Path) -> None:
-    out = tmp_path / "lora.areal.yaml"
+    out = tmp_path / "megatron.areal.yaml"
     out.write_text("# mine\n")
-    result = run_areal("import-recipe", str(AREAL / "gsm8k_grpo_lora.yaml"), "-o", str(out))
+    recipe = AREAL / "gsm8k_grpo_megatron_lora.yaml"  # LoRA is built; Megatron is not
+    result = run_areal("import-recipe", str(recipe), "-o", str(out))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs LoRA adapters, which areal lacks" in lines[0], lines
+    assert len(lines) == 1 and "needs the Megatron backend, which areal lacks" in lines[0], lines
     assert "Traceback" not in result.stderr and out.read_text() == "# mine\n"  # untouched
 
 
@@ -223,15 +224,17 @@ def test_a_folder_imports_every_yaml_with_a_table(tmp_path: Path) -> None:
     done = areal_in_process("import-recipe", str(folder), "-o", str(out))
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[1:]}
-    assert rows["gsm8k_grpo.yaml"] == "imported" and rows["gsm8k_grpo_lora.yaml"] == "refused"
-    assert "rollout.use_lora needs LoRA adapters" in done.stdout
-    assert (out / "gsm8k_grpo.yaml").is_file() and not (out / "gsm8k_grpo_lora.yaml").exists()
-    assert done.stderr.strip() == "# 4 of 5 imported"
+    assert rows["gsm8k_grpo.yaml"] == "imported" and rows["gsm8k_grpo_lora.yaml"] == "imported"
+    assert rows["gsm8k_grpo_megatron_lora.yaml"] == "refused"
+    assert "needs the Megatron backend" in done.stdout
+    assert (out / "gsm8k_grpo_lora.yaml").is_file()
+    assert not (out / "gsm8k_grpo_megatron_lora.yaml").exists()
+    assert done.stderr.strip() == "# 5 of 6 imported"
     listed = areal_in_process("import-recipe", str(folder))
     assert listed.returncode == 0 and "pass -o OUT_DIR to write them" in listed.stderr
     only_refused = tmp_path / "refused"
     only_refused.mkdir()
-    (only_refused / "a.yaml").write_text((folder / "gsm8k_grpo_lora.yaml").read_text())
+    (only_refused / "a.yaml").write_text((folder / "gsm8k_grpo_megatron_lora.yaml").read_text())
     assert areal_in_process("import-recipe", str(only_refused)).returncode == 2
     with_script = areal_in_process("import-recipe", str(out), "--script", "x.py")
     assert (

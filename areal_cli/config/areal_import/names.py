@@ -48,7 +48,7 @@ Rule = Rename | Drop | Lost | Refuse | Special
 BOOKKEEPING = Drop("AReaL bookkeeping: areal works it out itself")
 SAME_AS_ACTOR = Drop("repeats the actor's setting")
 SPECIAL = Special()
-LORA = Refuse("LoRA adapters")
+SERVER_LORA = Drop("areal sets the servers' LoRA flags from actor.use_lora and actor.lora_rank")
 AGENT = Refuse("agent workflows and services (OpenAI-SDK agents, tools, judges)", False)
 VISION = Refuse("vision-language models")
 
@@ -78,7 +78,7 @@ RULES: dict[str, Rule] = {
     "rollout.consumer_batch_size": SPECIAL,
     "rollout.request_timeout": Rename("rollout.request_timeout_s"),
     "rollout.request_retries": Rename("rollout.request_retries"),
-    "rollout.use_lora": LORA,
+    "rollout.use_lora": Drop("areal reads actor.use_lora"),
     "rollout.agent.*": AGENT,
     "rollout._version": Refuse("AReaL's inference service (rollout._version: v2)", False),
     "rollout.admin_api_key": Refuse("AReaL's inference service (rollout.admin_api_key)", False),
@@ -98,7 +98,7 @@ RULES: dict[str, Rule] = {
     "gconfig.min_new_tokens": SPECIAL,
     "gconfig.stop_token_ids": Rename("gconfig.stop_token_ids"),
     "gconfig.max_tokens": Lost("areal bounds the new tokens only (gconfig.max_new_tokens)"),
-    "gconfig.lora_name": LORA,
+    "gconfig.lora_name": Rename("gconfig.lora_name"),
     # the actor
     "actor.backend": SPECIAL,
     "actor.path": Rename("model.path"),
@@ -156,11 +156,11 @@ RULES: dict[str, Rule] = {
     "actor.log_agent_stats": BOOKKEEPING,
     "actor.log_agent_stats_keys": BOOKKEEPING,
     "actor.enable_tree_training": Refuse("tree training"),
-    "actor.use_lora": LORA,
-    "actor.peft_type": LORA,
-    "actor.lora_rank": LORA,
-    "actor.lora_alpha": LORA,
-    "actor.target_modules": LORA,
+    "actor.use_lora": Rename("actor.use_lora"),
+    "actor.peft_type": Rename("actor.peft_type"),
+    "actor.lora_rank": Rename("actor.lora_rank"),
+    "actor.lora_alpha": Rename("actor.lora_alpha"),
+    "actor.target_modules": Rename("actor.target_modules"),
     "actor.use_sapo_loss": Refuse("the SAPO loss"),
     "actor.sapo_tau_pos": Refuse("the SAPO loss"),
     "actor.sapo_tau_neg": Refuse("the SAPO loss"),
@@ -188,8 +188,8 @@ RULES: dict[str, Rule] = {
     "sglang.log_level": Rename("inference.sglang.log_level"),
     "sglang.dtype": Rename("inference.sglang.dtype"),
     "sglang.enable_multimodal": VISION,
-    "sglang.enable_lora": LORA,
-    "sglang.max_lora_rank": LORA,
+    "sglang.enable_lora": SERVER_LORA,
+    "sglang.max_lora_rank": SERVER_LORA,
     "sglang.model_path": SAME_AS_ACTOR,
     "sglang.random_seed": Drop("areal seeds every request from the run's seed"),
     "sglang.skip_tokenizer_init": Drop("areal sends token ids"),
@@ -198,8 +198,8 @@ RULES: dict[str, Rule] = {
     "vllm.gpu_memory_utilization": Rename("inference.vllm.gpu_memory_utilization"),
     "vllm.enforce_eager": Rename("inference.vllm.enforce_eager"),
     "vllm.dtype": Rename("inference.vllm.dtype"),
-    "vllm.enable_lora": LORA,
-    "vllm.max_lora_rank": LORA,
+    "vllm.enable_lora": SERVER_LORA,
+    "vllm.max_lora_rank": SERVER_LORA,
     "vllm.model": SAME_AS_ACTOR,
     "vllm.seed": Drop("areal seeds every request from the run's seed"),
     "vllm.skip_tokenizer_init": Drop("areal sends token ids"),

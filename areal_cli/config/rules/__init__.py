@@ -15,6 +15,7 @@ caller passes in as `backends`, since config sits below inference:
   paths       the model, its tokenizer and the datasets on this machine
   rl          rollout, staleness, reward and workflow functions, eval, weight update
   roles       the sections and keys of each algorithm; the reward model and the critic
+  lora        actor.use_lora: the role, layout, weight update and targets it is built for
   launcher    several nodes; Slurm's options
   run_dir     the run's names and a writable fileroot
 """
@@ -35,6 +36,7 @@ from areal_cli.config.rules.allocation import (
     check_tensor_parallel,
 )
 from areal_cli.config.rules.launcher import check_slurm
+from areal_cli.config.rules.lora import check_lora
 from areal_cli.config.rules.paths import check_dataset, check_model
 from areal_cli.config.rules.rl import check_rl
 from areal_cli.config.rules.roles import (
@@ -101,6 +103,8 @@ def check_config(
         check_rl(c, command, launch)
         if c.cfg.algorithm == "ppo":
             check_critic(c, mode, launch)
+    if command != "eval" and c.valid("actor", "algorithm"):
+        check_lora(c, mode)
     if launch and command in ("train", "eval"):
         check_fileroot(c)
     check_slurm(c)

@@ -106,8 +106,9 @@ def error_message(body: Any) -> str:
         error = body.get("error")
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
+        for key in ("message", "error_message"):  # SGLang's LoRA answers: error_message
+            if body.get(key):
+                return str(body[key])
     return str(body)[:500]
 
 
@@ -236,8 +237,11 @@ class InferenceBackend(ABC):
         params: Mapping[str, Any],
         return_logprob: bool,
         rid: str | None,
+        adapter: str | None = None,
     ) -> Route:
-        """One generation: token ids and SGLang's sampling params, in this server's words."""
+        """One generation: token ids and SGLang's sampling params, in this server's words;
+        `adapter`: the LoRA adapter to generate with, by the name it was loaded under
+        (only for a backend whose `adapters_by_request`)."""
 
     def generate_answer(self, answer: Any) -> dict[str, Any]:
         """The server's answer to `generate_request` in SGLang's /generate shape."""
@@ -288,6 +292,30 @@ class InferenceBackend(ABC):
         """Take back the memory of `tags` ("weights" before a weight update, "kv_cache"
         after it); the answer, or WENT_DOWN."""
         return await link.call("/resume_memory_occupation", {"tags": tags})
+
+    # ------------------------------------------------------------ LoRA adapters
+    # (actor.use_lora: each version is a PEFT adapter folder)
+
+    # Whether a request names its adapter (SGLang's lora_path, vLLM's model): the server
+    # keeps adapters apart, and a request runs with the one it named from start to end.
+    # False: the server applies a loaded adapter to every request (the embedded server
+    # merges it into its weights), as a full weight update.
+    adapters_by_request: ClassVar[bool] = False
+    # Whether its server starts from a LoRA adapter folder (on the base model it names);
+    # `areal serve` gives the others the adapter merged into its base.
+    serves_adapter_folders: ClassVar[bool] = False
+
+    def lora_args(self, cfg: ExperimentConfig) -> list[str]:
+        """The flags that let a server of a LoRA run take adapters (none by default)."""
+        return []
+
+    async def load_adapter(
+        self, link: Link, folder: str, name: str, version: str, retire: str | None
+    ) -> Any:
+        """Load the adapter folder as `name` (version `version`), and unload `retire`, an
+        adapter no request names any more: the answer in /update_weights_from_disk's
+        shape, or WENT_DOWN. By default the adapter is a weight update like any other."""
+        return await self.load_weights(link, folder, version)
 
     @abstractmethod
     async def load_weights(self, link: Link, model_path: str, version: str | None) -> Any:

@@ -24,6 +24,7 @@ API_KEY_ENV = "AREAL_API_KEY"
 class Embedded(SGLangRoutes):
     name: ClassVar[str] = "embedded"
     module: ClassVar[str] = "areal_cli.inference.server"
+    serves_adapter_folders: ClassVar[bool] = True  # merged into its weights on load
 
     def run_args(
         self, cfg: ExperimentConfig, strategy: ParallelStrategy, spec: ServerSpec

@@ -15,11 +15,13 @@ from typing import Any, ClassVar
 
 from areal_cli.config.schema import DTYPES, ExperimentConfig, ParallelStrategy
 from areal_cli.inference.backends.base import (
+    WENT_DOWN,
     InferenceBackend,
     Link,
     Route,
     ServeOptions,
     ServerSpec,
+    accepted,
     given,
     importable,
 )
@@ -42,6 +44,7 @@ class SGLangRoutes(InferenceBackend):
         params: Mapping[str, Any],
         return_logprob: bool,
         rid: str | None,
+        adapter: str | None = None,
     ) -> Route:
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
@@ -50,6 +53,8 @@ class SGLangRoutes(InferenceBackend):
         }
         if rid is not None:
             body["rid"] = rid
+        if adapter is not None:
+            body["lora_path"] = adapter  # GenerateReqInput: a loaded adapter's name
         return "/generate", body
 
     def pause_request(self, mode: str) -> Route:
@@ -100,9 +105,47 @@ class SGLang(SGLangRoutes):
             host=spec.host,
             served_name=spec.served_name,
         )
+        args += self.lora_args(cfg)
         # colocated: /release_memory_occupation frees the weights and the KV cache only
         # with SGLang's torch_memory_saver armed
         return [*args, "--enable-memory-saver"] if spec.shared else args
+
+    adapters_by_request: ClassVar[bool] = True
+
+    def lora_args(self, cfg: ExperimentConfig) -> list[str]:
+        """SGLang's LoRA flags: adapters up to the actor's rank on its target modules
+        (`all` for all-linear); two adapters loaded at once, the newest version and the
+        one requests still in flight may name."""
+        a = cfg.actor
+        if not a.use_lora:
+            return []
+        targets = ["all"] if list(a.target_modules) == ["all-linear"] else list(a.target_modules)
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(a.lora_rank),
+            "--lora-target-modules",
+            *targets,
+            "--max-loras-per-batch",
+            "2",
+        ]
+
+    async def load_adapter(
+        self, link: Link, folder: str, name: str, version: str, retire: str | None
+    ) -> Any:
+        """/load_lora_adapter (LoadLoRAAdapterReqInput), then /unload_lora_adapter of
+        `retire`. No /update_weight_version: a request keeps the adapter it named from its
+        first token to its last, so its tokens carry that adapter's version (the client
+        labels them), whatever the server has loaded since."""
+        answer = await link.call(
+            "/load_lora_adapter", {"lora_name": name, "lora_path": folder}, accept_4xx=True
+        )
+        if answer is WENT_DOWN or not accepted(answer):
+            return answer
+        if retire is not None:
+            await link.call("/unload_lora_adapter", {"lora_name": retire}, accept_4xx=True)
+        # the version new requests get: those that name this adapter
+        return {"success": True, "message": f"loaded adapter {name}", "weight_version": version}
 
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
         strategy = ParallelStrategy(tensor_parallel_size=opts.tp)

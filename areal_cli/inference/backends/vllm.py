@@ -87,6 +87,7 @@ from areal_cli.inference.backends.base import (
     given,
     importable,
 )
+from areal_cli.rundir.layout import ADAPTER_WEIGHTS
 from areal_cli.rundir.weight_group import PYNCCL
 
 VLLM_MISSING = (
@@ -108,6 +109,9 @@ SHUTDOWN_TRANSFER = "/shutdown_weight_transfer_engine"
 START_UPDATE = "/start_weight_update"
 UPDATE = "/update_weights"
 FINISH_UPDATE = "/finish_weight_update"
+LOAD_LORA = "/v1/load_lora_adapter"
+UNLOAD_LORA = "/v1/unload_lora_adapter"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank
 TRANSFER_CONFIG = '{"backend": "nccl"}'  # --weight-transfer-config: vLLM's WeightTransferConfig
 
 # what vLLM labels the weights it started with; the run calls them version 0
@@ -147,6 +151,16 @@ class VLLM(InferenceBackend):
                 (c.error if launch else c.warn)("inference.vllm.python", missing)
         if c.valid("actor.weight_update.method") and c.cfg.actor.weight_update.distributed:
             self._check_distributed(c, launch)
+        if (
+            c.valid("actor.lora_rank")
+            and c.cfg.actor.use_lora
+            and c.cfg.actor.lora_rank > LORA_RANKS[-1]
+        ):
+            c.error(
+                "actor.lora_rank",
+                f"{c.cfg.actor.lora_rank} is above vLLM's largest LoRA rank ({LORA_RANKS[-1]})",
+                f"use a rank of at most {LORA_RANKS[-1]}",
+            )
         mode = c.result.allocation
         if mode is not None and mode.colocated and c.cfg.cluster.n_gpus_per_node == 0:
             c.error(
@@ -200,11 +214,48 @@ class VLLM(InferenceBackend):
         )
         if cfg.actor.weight_update.distributed:  # its NCCL engine: the routes below
             args += ["--weight-transfer-config", TRANSFER_CONFIG]
+        args += self.lora_args(cfg)
         # colocated: /sleep and /wake_up hand the GPU to the trainer and back
         return [*args, "--enable-sleep-mode"] if spec.shared else args
 
     def run_env(self, cfg: ExperimentConfig, spec: ServerSpec) -> dict[str, str]:
-        return vllm_env(cfg, spec.device_type, list(spec.cpus))
+        env = vllm_env(cfg, spec.device_type, list(spec.cpus))
+        if cfg.actor.use_lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        return env
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    adapters_by_request: ClassVar[bool] = True
+
+    def lora_args(self, cfg: ExperimentConfig) -> list[str]:
+        """vLLM's LoRA flags: its smallest allowed rank that holds the actor's (vLLM
+        takes the ranks of LORA_RANKS only) and two adapters at once, the newest version
+        and the one requests in flight may still name. vLLM adapts every linear layer it
+        supports; the adapter folder says which ones it has."""
+        a = cfg.actor
+        if not a.use_lora:
+            return []
+        rank = next(r for r in LORA_RANKS if r >= a.lora_rank)
+        return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+
+    async def load_adapter(
+        self, link: Link, folder: str, name: str, version: str, retire: str | None
+    ) -> Any:
+        """POST /v1/load_lora_adapter (vLLM's LoadLoRAAdapterRequest), then
+        /v1/unload_lora_adapter of `retire`. As on SGLang, a request generates with the
+        adapter it names (the `model` of /inference/v1/generate) from start to end, so no
+        version label changes: the client labels its tokens with that adapter's version."""
+        refused = adapter_missing(folder)
+        if refused:
+            return {"success": False, "message": refused}
+        failed = await _steps(link, [(LOAD_LORA, {"lora_name": name, "lora_path": folder})])
+        if failed is not None:
+            return failed
+        if retire is not None:  # a failure here leaves one more adapter loaded, no harm
+            await _steps(link, [(UNLOAD_LORA, {"lora_name": retire})])
+        # the version new requests get: those that name this adapter
+        return {"success": True, "message": f"loaded adapter {name}", "weight_version": version}
 
     def serve_args(self, cfg: ExperimentConfig, opts: ServeOptions) -> list[str]:
         strategy = ParallelStrategy(tensor_parallel_size=opts.tp)
@@ -223,6 +274,7 @@ class VLLM(InferenceBackend):
         params: Mapping[str, Any],
         return_logprob: bool,
         rid: str | None,
+        adapter: str | None = None,
     ) -> Route:
         body: dict[str, Any] = {
             "token_ids": list(input_ids),
@@ -232,6 +284,8 @@ class VLLM(InferenceBackend):
         }
         if rid is not None:
             body["request_id"] = rid
+        if adapter is not None:
+            body["model"] = adapter  # GenerateRequest.model: a loaded adapter's name
         return GENERATE, body
 
     def generate_answer(self, answer: Any) -> dict[str, Any]:
@@ -371,6 +425,15 @@ def folder_problem(model_path: str) -> str:
         return f"no weights folder {model_path}"
     if not any(folder.glob("*.safetensors")):
         return f"{model_path} holds no .safetensors files"
+    return ""
+
+
+def adapter_missing(folder: str) -> str:
+    """Why vLLM must not be asked to load the adapter FOLDER ('' when it may): vLLM reads a
+    path that is not a folder for a Hub id."""
+    path = Path(folder)
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        return f"{folder} holds no {ADAPTER_WEIGHTS}"
     return ""
 
 
