@@ -44,7 +44,8 @@ RL_ACTOR_KEYS = (
     "overlong_reward_penalty",
     "overlong_tokens", "overlong_penalty_factor", "mask_no_eos_with_zero",
     "eps_clip", "eps_clip_higher", "use_decoupled_loss", "behav_imp_weight_cap", "kl_ctl",
-    "kl_estimator", "loss_agg_mode",
+    "kl_estimator", "loss_agg_mode", "use_sapo_loss", "sapo_tau_pos", "sapo_tau_neg",
+    "m2_threshold",
 )  # fmt: skip
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BUILTIN_MODELS = (
@@ -284,7 +285,10 @@ class TrainEngineConfig:
         False, "A completion cut at max_new_tokens (no EOS) gets advantage 0 after reward_norm."
     )
     eps_clip: float = field(
-        0.2, "PPO clip range below 1 (and above, unless eps_clip_higher is set).", gt=0, lt=1
+        0.2,
+        "PPO clip range below 1 (and above, unless eps_clip_higher is set); 0 clips the ratio to 1 (AReaL's M2PO example sets it).",
+        ge=0,
+        lt=1,
     )
     eps_clip_higher: float | None = field(
         None, "Upper clip range (DAPO's clip-higher); null means eps_clip.", gt=0
@@ -314,6 +318,21 @@ class TrainEngineConfig:
     kl_estimator: str = field("k3", "KL estimator: k1, k2 or k3.", choices=("k1", "k2", "k3"))
     loss_agg_mode: str = field(
         "token_mean", "Loss aggregation over the global batch.", choices=("token_mean", "seq_mean")
+    )
+    use_sapo_loss: bool = field(
+        False,
+        "SAPO (arXiv 2511.20347): soft sigmoid gates on the ratio instead of PPO's clip; needs use_decoupled_loss: false.",
+    )
+    sapo_tau_pos: float = field(
+        1.0, "SAPO's gate temperature for tokens with a positive advantage.", gt=0
+    )
+    sapo_tau_neg: float = field(
+        1.05, "SAPO's gate temperature for tokens with a negative or zero advantage.", gt=0
+    )
+    m2_threshold: float | None = field(
+        None,
+        "M2PO (arXiv 2510.01161): drop the tokens with the largest (log proximal/behaviour)^2 until the mean over the minibatch's kept tokens is below this; null disables.",
+        gt=0,
     )
     use_lora: bool = field(
         False,

@@ -41,6 +41,7 @@ RL_FIGURES = (
     "tokens",
     "kl",
     "dual_clip_frac",  # actor.c_clip
+    "m2_drop_frac",  # actor.m2_threshold (M2PO)
     # algorithm: ppo (the critic; areal_cli.trainer.critic)
     "value_loss",
     "value_clip_frac",

@@ -172,12 +172,13 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return holder[0]
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (of `group`, default the world), in rank order, on every rank."""
     if world_size() == 1:
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)  # pickles through the current device (init set it)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    # pickles through the current device (init set it)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 

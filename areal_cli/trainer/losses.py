@@ -17,6 +17,7 @@ Tensor conventions
   :func:`aggregate_loss` and a global normalizer from :func:`loss_normalizer`.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Literal, NamedTuple
@@ -170,6 +171,62 @@ def ppo_policy_loss(
         loss = torch.where(capped, cap, loss)
         stats["dual_clip_frac"] = _masked_mean(capped.to(ratio.dtype), m)
     return torch.where(m, loss, torch.zeros_like(loss)), stats
+
+
+def sapo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    seq_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """SAPO, Soft Adaptive Policy Optimization (Gao et al. 2025, arXiv 2511.20347): PPO's
+    hard clip replaced by a smooth gate of the ratio.
+
+    ``r = exp(logp - old_logp)`` (with ``seq_ids``, the sequence-level ratio as in
+    :func:`ppo_policy_loss`), ``tau = tau_pos`` where ``A > 0`` else ``tau_neg``,
+    ``loss = -(4 / tau) * sigmoid(tau * (r - 1)) * A``. The gate's slope at ``r = 1`` is
+    1, so an on-policy token gets the policy gradient; far from 1 the gradient fades
+    instead of stopping, faster for negative advantages (``tau_neg > tau_pos``). Stats:
+    ``ratio_mean``, ``ratio_max``, ``clip_frac`` 0 (nothing is clipped) and ``gate_mean``,
+    the mean of ``sigmoid`` (0.5 on policy).
+    """
+    m = loss_mask.bool()
+    log_ratio = torch.where(m, logp - old_logp.detach(), torch.zeros_like(logp))
+    if seq_ids is not None:
+        log_ratio = _sequence_mean(log_ratio, m, seq_ids)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -(4.0 / tau) * gate * adv
+    stats: Stats = {
+        "clip_frac": _masked_mean(torch.zeros_like(ratio), m),
+        "ratio_mean": _masked_mean(ratio, m),
+        "ratio_max": _masked_max(ratio, m),
+        "gate_mean": _masked_mean(gate, m),
+    }
+    return torch.where(m, loss, torch.zeros_like(loss)), stats
+
+
+def m2_cutoff(m2: torch.Tensor, threshold: float) -> float:
+    """M2PO's filter (Zheng et al. 2025, arXiv 2510.01161) over the second moments
+    ``m2 = (log prox - log behav)^2`` of every trained token of a minibatch (all ranks):
+    drop the largest, one by one, until the mean of the rest is below `threshold`.
+    Returns the bound: a token is kept when its ``m2 <= bound`` (``inf``: keep all). At
+    least one token is kept, and tokens tied with the largest kept one are kept with it,
+    so the result does not depend on the order the tokens came in (ranks, micro-batches)."""
+    values = m2.detach().double().reshape(-1)
+    if values.numel() == 0 or float(values.mean()) < threshold:
+        return math.inf
+    ordered = values.sort(descending=True).values
+    n = ordered.numel()
+    rest_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=ordered.dtype)
+    below = torch.nonzero(rest_mean < threshold)
+    dropped = int(below[0]) if below.numel() else n - 1  # keep the smallest at least
+    return float(ordered[dropped])
 
 
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:

@@ -153,6 +153,14 @@ def forward_logprobs(
     return logp, ent, local
 
 
+def _label_tensors(run: _StepRun, seqs: list[int]) -> dict[str, torch.Tensor]:
+    """The label-space tensors of `seqs` that this rank's forward sees (its slice under
+    context parallelism), on the CPU, without a forward."""
+    mb = label_space([run.batch.sequence(i) for i in seqs])
+    here = _slice_for_context_parallel(mb, run.layout) if run.layout.cp_size > 1 else slice(None)
+    return {k: v[here] for k, v in mb.items() if k != "seq_counts"}
+
+
 def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
     """The forward of an empty micro-batch: one token (per context-parallel rank), so every
     FSDP unit gathers its parameters; returns a zero connected to them, whose backward
@@ -279,6 +287,8 @@ def _stat_keys(
     if cfg.use_decoupled_loss:
         sums.append("imp_weight_sum")
         maxes.append("imp_weight_max")
+    if cfg.m2_threshold is not None:
+        sums.append("m2_dropped")
     return sums, maxes
 
 
@@ -340,6 +350,7 @@ class _Inputs:
     targets: list[list[Any]] | None
     prox: list[list[torch.Tensor | None]] | None
     ref: list[list[torch.Tensor | None]] | None
+    m2_cutoffs: list[float] | None = None  # M2PO: per minibatch, keep m2 <= it
 
 
 def train_step(
@@ -417,16 +428,33 @@ def _before_update(
     cfg = run.cfg
     adv_seq = seq_advantages(run.batch, cfg) if critic is None else None
     on_policy = version is not None and is_on_policy(run.batch, version)
-    prox = None
-    if cfg.use_decoupled_loss and not on_policy and run.n_minibatches > 1:
+    prox, cutoffs = None, None
+    m2po = cfg.m2_threshold is not None and not on_policy  # on policy: every m2 is 0
+    if m2po or (cfg.use_decoupled_loss and not on_policy and run.n_minibatches > 1):
         prox = _no_grad_logprobs(run.model, run, "proximal")
+    if m2po:
+        cutoffs = [_m2_cutoff(run, m, row, cfg.m2_threshold) for m, row in enumerate(prox)]
     ref = _no_grad_logprobs(ref_model, run, "reference") if cfg.kl_ctl > 0 else None
     targets = None
     if critic is not None:
         targets = critic.targets(
             run.batch, run.shards, run.plans, cfg, run.layout, run.beat, run.stats
         )
-    return _Inputs(adv_seq, targets, prox, ref)
+    return _Inputs(adv_seq, targets, prox, ref, cutoffs)
+
+
+def _m2_cutoff(run: _StepRun, m: int, prox: list[torch.Tensor | None], threshold: float) -> float:
+    """M2PO's cutoff for minibatch `m` (losses.m2_cutoff) over the second moments of its
+    trained tokens on every rank that holds other tokens (collective, the same on all)."""
+    values = [torch.zeros(0, dtype=torch.float64)]
+    for j, mb in enumerate(run.plans[m].micro_batches):
+        if mb and prox[j] is not None:
+            t = _label_tensors(run, [run.shards[m][i] for i in mb])
+            mask = t["loss_mask"].bool()
+            values.append(((prox[j].cpu() - t["logprobs"]) ** 2)[mask].double())
+    mine = torch.cat(values)
+    everyone = collectives.all_gather_object(mine, run.layout.stats_group)
+    return losses.m2_cutoff(torch.cat(everyone), threshold)
 
 
 def _train_minibatch(run: _StepRun, m: int, inputs: _Inputs) -> None:
@@ -471,11 +499,22 @@ def _micro_batch_loss(
     clip = {"eps_clip": cfg.eps_clip, "eps_clip_higher": cfg.eps_clip_higher, "c_clip": cfg.c_clip}
     if cfg.importance_sampling_level == "sequence":  # GSPO (context parallelism is refused)
         clip["seq_ids"] = t["seq_ids"]
-    if cfg.use_decoupled_loss:
-        if run.n_minibatches == 1:  # this forward's weights are the proximal ones
-            proximal = logp.detach()
-        else:
-            proximal = inputs.prox[m][j] if inputs.prox is not None else t["logprobs"]
+    if inputs.prox is not None:  # a proximal pass was made (decoupled PPO, M2PO)
+        proximal = inputs.prox[m][j].to(logp.device)
+    elif run.n_minibatches == 1:  # this forward's weights are the proximal ones
+        proximal = logp.detach()
+    else:  # on policy
+        proximal = t["logprobs"]
+    if inputs.m2_cutoffs is not None and math.isfinite(inputs.m2_cutoffs[m]):
+        kept = mask & ((proximal - t["logprobs"]) ** 2 <= inputs.m2_cutoffs[m])
+        run.stats.add("m2_dropped", float((mask & ~kept).sum()))
+        mask = kept  # dropped tokens: no loss, still counted by the normalizer (M2PO)
+    if cfg.use_sapo_loss:
+        tau = {"tau_pos": cfg.sapo_tau_pos, "tau_neg": cfg.sapo_tau_neg}
+        loss_tok, lstats = losses.sapo_policy_loss(
+            logp, t["logprobs"], adv, mask, **tau, seq_ids=clip.get("seq_ids")
+        )
+    elif cfg.use_decoupled_loss:
         loss_tok, lstats = losses.decoupled_ppo_loss(
             logp, proximal, t["logprobs"], adv, mask,
             behav_imp_weight_cap=cfg.behav_imp_weight_cap, **clip,
@@ -677,4 +716,6 @@ def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> di
     if "imp_weight_sum" in out:
         result["imp_weight_mean"] = out.pop("imp_weight_sum") / loss_tokens
         result["imp_weight_max"] = out.pop("imp_weight_max")
+    if "m2_dropped" in out:  # M2PO: the share of trained tokens its filter dropped
+        result["m2_drop_frac"] = out.pop("m2_dropped") / loss_tokens
     return result

@@ -72,6 +72,31 @@ def test_one_rank_equals_two_ranks_two_microbatches(tmp_path: Path, model_dir: P
         assert _max_diff(_weights(runs["single"], version), _weights(runs["split"], version)) < 1e-5
 
 
+def test_sapo_and_m2po_take_the_same_step_on_one_and_two_ranks(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """SAPO's loss with M2PO's filter: the filter's bound is taken over the minibatch's
+    tokens on every rank (one all-gather), so 1 rank x 1 micro-batch and 2 ranks x 2
+    micro-batches (uneven shards) drop the same tokens and take the same step."""
+    batches = make_batches(tmp_path / "batches", 2)
+    keys = {"actor.use_sapo_loss": True, "actor.use_decoupled_loss": False}
+    keys["actor.m2_threshold"] = 1.0  # random behaviour logprobs: m2 averages several
+    runs = {}
+    for name, nproc, n_mbs in (("d1", 1, 1), ("d2", 2, 2)):
+        fileroot = tmp_path / name
+        cfg = write_config(
+            tmp_path / f"{name}.yaml", model_dir, fileroot, total_train_steps=2,
+            **{**keys, "actor.mb_spec.n_mbs": n_mbs},
+        )  # fmt: skip
+        torchrun(nproc, cfg, "--batches", str(batches))
+        runs[name] = fileroot / "gloo" / "t"
+    one, two = _metrics(runs["d1"]), _metrics(runs["d2"])
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert 0 < a["m2_drop_frac"] == pytest.approx(b["m2_drop_frac"], abs=1e-9)
+    assert _max_diff(_weights(runs["d1"], 2), _weights(runs["d2"], 2)) < 1e-5
+
+
 def straight_and_resumed(tmp_path: Path, model_dir: Path, **keys: object) -> tuple[Path, Path]:
     """Two 2-rank runs on the same 4 batches (recover entries every step, with `keys`):
     straight through, and 2 steps, stop, --resume; their run directories."""

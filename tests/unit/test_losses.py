@@ -408,3 +408,53 @@ def test_chunked_logprobs_and_entropy_match_the_plain_functions(
     assert not a.grad[3].any() and not a.grad[9].any()
     none = losses.label_logprobs_and_entropy(logits, labels, 0.7, entropy=False)[1]
     assert none is None
+
+
+# ----------------------------------------------------------------------------- SAPO, M2PO
+
+
+def test_sapo_gates_by_hand() -> None:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347, and
+    AReaL's `sapo_loss_fn`): loss = -(4 / tau) * sigmoid(tau * (r - 1)) * A, tau = tau_pos
+    for A > 0 else tau_neg. By hand, tau_pos = 1, tau_neg = 2:
+      r = 1,   A = +1: -(4/1) * sigmoid(0)       = -2
+      r = 1.5, A = +2: -(4/1) * sigmoid(0.5) * 2 = -8 * 0.622459 = -4.979674
+      r = 0.5, A = -1: +(4/2) * sigmoid(-1)      = 2 * 0.268941 = 0.537883
+      the masked 4th token: 0.
+    The gradient wrt logp at r = 1 is -A (the policy gradient): d/dlogp = -(4/tau) *
+    tau * sigmoid'(0) * r * A = -A."""
+    from areal_cli.trainer.losses import sapo_policy_loss
+
+    logp = torch.tensor([0.0, LN(1.5), LN(0.5), 5.0], requires_grad=True)
+    adv = torch.tensor([1.0, 2.0, -1.0, 3.0])
+    mask = torch.tensor([1, 1, 1, 0])
+    loss, stats = sapo_policy_loss(logp, torch.zeros(4), adv, mask, tau_pos=1.0, tau_neg=2.0)
+    close(loss, [-2.0, -4.979674, 0.537883, 0.0], atol=1e-5)
+    loss.sum().backward()
+    assert float(logp.grad[0]) == pytest.approx(-1.0, abs=1e-6)
+    assert float(logp.grad[3]) == 0.0
+    close(stats["clip_frac"], 0.0)
+    close(stats["ratio_mean"], (1 + 1.5 + 0.5) / 3, atol=1e-6)
+
+
+def test_m2po_cutoff_by_hand() -> None:
+    """M2PO (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL
+    Reach with Stale Data on LLMs?", arXiv 2510.01161; AReaL's docs/en/algorithms/m2po.md):
+    drop the tokens with the largest second moment m2 = (log r)^2 until the mean of the
+    rest is below the threshold. m2 = [0.5, 0.0625, 0.25, 0.125] (exact in binary),
+    threshold 0.2: all (0.234375) -> drop 0.5: (0.25 + 0.125 + 0.0625) / 3 = 0.1458 < 0.2,
+    so only 0.5 goes (bound 0.25: keep m2 <= 0.25). Threshold 0.09375: drop 0.5 (0.1458),
+    0.25 ((0.125 + 0.0625) / 2 = 0.09375, not below), 0.125 -> 0.0625: only the smallest
+    stays. A mean already below keeps all; all alike and above keeps them all (at least
+    one token, and ties with the largest kept one stay)."""
+    from areal_cli.trainer.losses import m2_cutoff
+
+    m2 = torch.tensor([0.5, 0.0625, 0.25, 0.125])
+    assert (m2 <= m2_cutoff(m2, 0.2)).tolist() == [False, True, True, True]
+    assert (m2 <= m2_cutoff(m2, 0.09375)).tolist() == [False, True, False, False]
+    assert m2_cutoff(m2, 1.0) == math.inf
+    alike = torch.full((3,), 0.5)
+    assert (alike <= m2_cutoff(alike, 0.1)).all()
+    assert m2_cutoff(torch.zeros(0), 0.1) == math.inf
+    # the order the tokens come in (ranks, micro-batches) does not matter
+    assert m2_cutoff(m2.flip(0), 0.2) == m2_cutoff(m2, 0.2)

@@ -103,10 +103,28 @@ def _check_sequence_ratio(c: Checker) -> None:
         )
 
 
+def _check_sapo(c: Checker) -> None:
+    """SAPO's gates replace the decoupled objective's clip and weight, as in AReaL, which
+    refuses the two together; PPO's clip keys then do nothing."""
+    a = c.cfg.actor
+    if not a.use_sapo_loss:
+        return
+    if a.use_decoupled_loss:
+        c.error(
+            "actor.use_sapo_loss",
+            "SAPO is not built with the decoupled PPO objective (actor.use_decoupled_loss: true, the default)",
+            "set actor.use_decoupled_loss: false",
+        )
+    for key in ("eps_clip", "eps_clip_higher", "c_clip", "behav_imp_weight_cap"):
+        if ("actor", key) in c.loaded.locations:
+            c.warn(f"actor.{key}", "is not read by SAPO (actor.use_sapo_loss)", "remove it")
+
+
 def _check_rollout(c: Checker) -> None:
     actor = c.cfg.actor
     _check_rollout_sizes(c)
     _check_sequence_ratio(c)
+    _check_sapo(c)
     _check_norms(c)
     _check_overlong(c)
     _check_dynamic_sampling(c)
