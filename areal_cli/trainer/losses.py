@@ -151,11 +151,7 @@ def ppo_policy_loss(
     """
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
     m = loss_mask.bool()
-    # Masked-out positions may hold garbage; zeroing the log-ratio keeps exp() finite there.
-    log_ratio = torch.where(m, logp - old_logp.detach(), torch.zeros_like(logp))
-    if seq_ids is not None:
-        log_ratio = _sequence_mean(log_ratio, m, seq_ids)
-    ratio = torch.exp(log_ratio)
+    ratio = _ratio(logp, old_logp, m, seq_ids)
     adv = advantages.detach()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
@@ -194,10 +190,7 @@ def sapo_policy_loss(
     the mean of ``sigmoid`` (0.5 on policy).
     """
     m = loss_mask.bool()
-    log_ratio = torch.where(m, logp - old_logp.detach(), torch.zeros_like(logp))
-    if seq_ids is not None:
-        log_ratio = _sequence_mean(log_ratio, m, seq_ids)
-    ratio = torch.exp(log_ratio)
+    ratio = _ratio(logp, old_logp, m, seq_ids)
     adv = advantages.detach()
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
@@ -227,6 +220,17 @@ def m2_cutoff(m2: torch.Tensor, threshold: float) -> float:
     below = torch.nonzero(rest_mean < threshold)
     dropped = int(below[0]) if below.numel() else n - 1  # keep the smallest at least
     return float(ordered[dropped])
+
+
+def _ratio(
+    logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """exp(logp - old_logp) per token, or with `seq_ids` each sequence's geometric mean
+    (GSPO). Masked-out positions may hold garbage: a zero log-ratio keeps exp() finite."""
+    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    if seq_ids is not None:
+        log_ratio = _sequence_mean(log_ratio, mask, seq_ids)
+    return torch.exp(log_ratio)
 
 
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
