@@ -46,9 +46,6 @@ def param_count(config: dict) -> int:
     return layers * (attention + mlp + 2 * h) + embeddings + head + h
 
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer of a Llama-style block, by its name."""
     h, inter = config["hidden_size"], config["intermediate_size"]
@@ -70,7 +67,7 @@ def lora_param_count(config: dict, rank: int, targets: list[str]) -> int:
     regular expression, counts as all of them: an upper bound)."""
     shapes = linear_shapes(config)
     known = [t for t in targets if t in shapes]
-    chosen = _LINEARS if targets == ["all-linear"] or len(known) < len(targets) else known
+    chosen = list(shapes) if targets == ["all-linear"] or len(known) < len(targets) else known
     per_layer = sum(rank * (shapes[n][0] + shapes[n][1]) for n in chosen)
     return config["num_hidden_layers"] * per_layer
 

@@ -166,6 +166,16 @@ class GenerationGate:
         return not self._open.is_set()
 
 
+@dataclass
+class _Adapters:
+    """The LoRA adapters of a backend whose requests name theirs (backends.base:
+    `adapters_by_request`): the (name, version) new requests name, and the names loaded
+    on the servers, oldest first."""
+
+    current: tuple[str, str] | None = None
+    loaded: list[str] = field(default_factory=list)
+
+
 class InferenceClient:
     """Async client over one or more servers; use `async with` or call `close()`."""
 
@@ -200,12 +210,8 @@ class InferenceClient:
         self.backoff_s = backoff_s
         self.backend = backend_for(backend)  # its routes and weight-update sequence
         self.served_model = served_model  # the identity its servers must show ('' : any)
-        # LoRA runs: adapter versions load as LORA_NAME-vK; with a backend whose requests
-        # name their adapter, `adapter` is the (name, version) new requests name, and
-        # `_adapters` the names loaded on the servers, oldest first (see _adapter_load)
-        self.lora_name = lora_name or "adapter"
-        self.adapter: tuple[str, str] | None = None
-        self._adapters: list[str] = []
+        self.lora_name = lora_name or "adapter"  # LoRA runs: version K loads as NAME-vK
+        self._lora = _Adapters()  # shared with siblings: the servers' adapters are theirs too
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None
         self.reissued = 0  # generate attempts re-issued after their server died
@@ -230,9 +236,15 @@ class InferenceClient:
             served_model=self.served_model,
             lora_name=self.lora_name,
         )
-        twin.adapter, twin._adapters = self.adapter, self._adapters  # the same list: shared
+        twin._lora = self._lora  # the same servers: the same adapters loaded
         twin.gate = self.gate  # a colocated run holds both clients' requests at once
         return twin
+
+    @property
+    def adapter(self) -> tuple[str, str] | None:
+        """The LoRA adapter new requests name, as (name, version); None: none loaded yet,
+        or a backend that applies adapters to every request."""
+        return self._lora.current
 
     def busy_s(self) -> float:
         """Wall seconds so far during which at least one /generate call was in flight:
@@ -264,7 +276,7 @@ class InferenceClient:
         rid: str | None = None,
     ) -> dict[str, Any]:
         """One /generate request on one server; returns SGLang's response dict."""
-        adapter = self.adapter if self.backend.adapters_by_request else None
+        adapter = self._lora.current if self.backend.adapters_by_request else None
         path, body = self.backend.generate_request(
             input_ids, sampling_params, return_logprob, rid, adapter[0] if adapter else None
         )
@@ -306,10 +318,10 @@ class InferenceClient:
             )
         if self.backend.adapters_by_request and is_adapter_folder(model_path):
             name = self._adapter_name(version)
-            self.adapter = (name, version or "0")  # new requests name it from now on
-            if name not in self._adapters:
-                self._adapters.append(name)
-            del self._adapters[:-2]  # _adapter_load unloaded the older ones
+            self._lora.current = (name, version or "0")  # new requests name it from now on
+            if name not in self._lora.loaded:
+                self._lora.loaded.append(name)
+            del self._lora.loaded[:-2]  # _load_on unloaded the older ones
         return answers
 
     async def load_weights_on(
@@ -386,7 +398,7 @@ class InferenceClient:
         if self.backend.adapters_by_request and (problem := adapter_problem(model_path)):
             return {"success": False, "message": problem}  # checked here: the server cannot
         name = self._adapter_name(version)
-        older = [a for a in self._adapters if a != name]
+        older = [a for a in self._lora.loaded if a != name]
         retire = older[-2] if len(older) >= 2 else None
         return await self.backend.load_adapter(link, model_path, name, version or "0", retire)
 

@@ -23,7 +23,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import random
@@ -90,20 +89,14 @@ def split_by_length(seqs: list[SeqState], pass_cost: int) -> list[list[SeqState]
 def adapter_base(path: Path) -> Path:
     """The model folder to build the engine from: `path` itself, or for a LoRA adapter
     folder the base model its adapter_config.json names (a local folder)."""
-    from areal_cli.rundir.layout import ADAPTER_CONFIG, is_adapter_folder
+    from areal_cli.rundir.layout import adapter_base_model, is_adapter_folder
 
     if not is_adapter_folder(path):
         return path
     try:
-        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path / ADAPTER_CONFIG}: {exc}") from exc
-    if not base or not (Path(base) / "config.json").is_file():
-        raise ValueError(
-            f"{path / ADAPTER_CONFIG}: base_model_name_or_path {base!r} is not a model folder "
-            "on this machine; serve the base model and load the adapter into it"
-        )
-    return Path(base)
+        return adapter_base_model(path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; serve the base model and load the adapter into it") from None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -21,6 +21,21 @@ from typing import NamedTuple
 
 import torch
 
+from areal_cli.models.lora import (
+    Adapter,
+    AdapterError,
+    LoraSpec,
+    is_adapter_key,
+    merge_into,
+    read_adapter,
+)
+from areal_cli.rundir.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_problem,
+    is_adapter_folder,
+)
+
 logger = logging.getLogger("areal_cli.inference.engine")
 
 
@@ -229,8 +244,6 @@ class WeightLoader:
     def _files(self, folder: Path) -> list[Path]:
         """The files whose identity tells a version of `folder` apart: its safetensors, or
         for a LoRA adapter folder its two files and the base model's safetensors."""
-        from areal_cli.rundir.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_folder
-
         if is_adapter_folder(folder):
             return [
                 *safetensors_files(self.base),
@@ -240,26 +253,25 @@ class WeightLoader:
         return safetensors_files(folder)
 
     def _read(self, folder: Path) -> dict[str, torch.Tensor]:
-        """Read `folder` into the staging buffers and check it against the model. A LoRA
-        adapter folder (PEFT's layout) is merged into the base model's weights, read
-        again from `base` each time (from the page cache), so merges never accumulate
-        rounding and the result is exactly what `convert-checkpoint --merge-lora` writes.
-        Merged in, the adapter costs decoding nothing (one adapter is served at a time)."""
-        from areal_cli.models.lora import AdapterError, merge_into, read_adapter
-        from areal_cli.rundir.layout import is_adapter_folder
-
+        """Read `folder` into the staging buffers and check it against the model; a LoRA
+        adapter folder (PEFT's layout) is checked and merged in (`_merged`)."""
         if not is_adapter_folder(folder):
             return self.table.match(read_safetensors(safetensors_files(folder), self._staging))
-        from areal_cli.rundir.layout import adapter_problem
-
         if problem := adapter_problem(folder):
             raise WeightLoadError(problem)
         try:
-            adapter = read_adapter(folder)
-            base = read_safetensors(safetensors_files(self.base), self._staging)
-            return self.table.match(merge_into(base, adapter))
+            return self._merged(read_adapter(folder))
         except AdapterError as exc:
             raise WeightLoadError(str(exc)) from exc
+
+    def _merged(self, adapter: Adapter) -> dict[str, torch.Tensor]:
+        """The base model's weights, read again from `base` into the staging buffers (from
+        the page cache), with `adapter` merged in, checked against the model: merges never
+        accumulate rounding, and the result is exactly what `convert-checkpoint
+        --merge-lora` writes. Merged in, an adapter costs decoding nothing (one is served
+        at a time). Raises AdapterError."""
+        base = read_safetensors(safetensors_files(self.base), self._staging)
+        return self.table.match(merge_into(base, adapter))
 
     def swap_in(self, tensors: dict[str, torch.Tensor], identity: tuple) -> None:
         """Make `tensors` (from `load`) the live weights. Hold `lock`."""
@@ -290,26 +302,19 @@ class WeightLoader:
         lora_B, and B comes times its scale: trainer.weight_sender): they are merged into
         the base weights, read from `base` as for an adapter folder. Hold `lock`."""
         self._ahead = None
-        if received and all(k.endswith((".lora_A", ".lora_B")) for k in received):
-            self.swap_in(self._merged_received(received), ())
+        if received and all(is_adapter_key(k) for k in received):
+            tensors = {k: v.float().cpu() for k, v in received.items()}
+            rank = next(v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A"))
+            modules = tuple(sorted({k.rsplit(".", 1)[0] for k in tensors}))
+            spec = LoraSpec(rank, float(rank), modules)  # scale 1: B came scaled
+            try:
+                self.swap_in(self._merged(Adapter(spec, str(self.base), tensors)), ())
+            except AdapterError as exc:
+                raise WeightLoadError(str(exc)) from exc
             return
         self.table.swap_in(self.table.match(received))
         self.served_identity = ()
         self.empty = False
-
-    def _merged_received(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The base weights (in the staging buffers) with received adapters merged in."""
-        from areal_cli.models.lora import Adapter, AdapterError, LoraSpec, merge_into
-
-        tensors = {k: v.float().cpu() for k, v in received.items()}
-        rank = next(v.shape[0] for k, v in tensors.items() if k.endswith(".lora_A"))
-        modules = tuple(sorted({k.rsplit(".", 1)[0] for k in tensors}))
-        adapter = Adapter(LoraSpec(rank, float(rank), modules), str(self.base), tensors)  # scale 1
-        try:
-            base = read_safetensors(safetensors_files(self.base), self._staging)
-            return self.table.match(merge_into(base, adapter))
-        except AdapterError as exc:
-            raise WeightLoadError(str(exc)) from exc
 
     def watch(
         self, directory: Path, prefix: str, poll_s: float, stopping: Callable[[], bool]

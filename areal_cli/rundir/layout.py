@@ -33,11 +33,30 @@ def is_adapter_folder(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
+def adapter_base_model(folder: str | Path) -> Path:
+    """The base model folder a LoRA adapter folder names (its adapter_config.json's
+    base_model_name_or_path); raises ValueError when that is unreadable or not a model
+    folder (config.json) on this machine. Callers add how to go on."""
+    config = Path(folder) / ADAPTER_CONFIG
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"cannot read {config}: {exc}") from exc
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ValueError(
+            f"{config}: base_model_name_or_path {base!r} is not a model folder on this machine"
+        )
+    return Path(base)
+
+
 def adapter_problem(folder: str | Path) -> str:
-    """Why the adapter folder must not be served ('' when it may): a handoff entry (a
-    run's weights/vN, checkpoints/step-N) whose files fail their manifest's sizes or
-    CRC-32s. An adapter is a few MB, so every load checks it whole; a folder without a
-    manifest (one made by PEFT) is taken as it is."""
+    """Why the adapter folder must not be served ('' when it may): no adapter weights
+    file (a server may read a missing path as a Hub id), or a handoff entry (a run's
+    weights/vN, checkpoints/step-N) whose files fail their manifest's sizes or CRC-32s.
+    An adapter is a few MB, so every load checks it whole; a folder without a manifest
+    (one made by PEFT) is taken as it is."""
+    if not (Path(folder) / ADAPTER_WEIGHTS).is_file():
+        return f"refused adapter: {folder} holds no {ADAPTER_WEIGHTS}"
     if not (Path(folder) / handoff.MANIFEST).is_file():
         return ""
     try:

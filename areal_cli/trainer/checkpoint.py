@@ -332,11 +332,7 @@ class Checkpointer:
         file_name = "model.safetensors"
         tmp, header_piece = None, None
         if rank == 0:
-            self.wait_for_cleanup()
-            if parent not in self._swept:  # leftovers only come from an earlier, crashed process
-                handoff.remove_stale(parent)
-                self._swept.add(parent)
-            tmp = handoff.new_tmp_dir(parent, name)
+            tmp = self._start_entry(parent, name)
             header_piece = PieceWriter.create(tmp / file_name, plan.header, plan.size)
         tmp = Path(
             collectives.broadcast_object(str(tmp) if tmp else None)
@@ -362,10 +358,35 @@ class Checkpointer:
         if rank == 0:
             all_pieces = [header_piece, *(p for rank_pieces in gathered for p in rank_pieces)]
             records = [handoff.combine_pieces(file_name, plan.size, all_pieces), *links]
-            path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
-            if keep_last:
-                self._collect_in_background(parent, prefix, keep_last)
+            path = self._finish_entry(tmp, parent, name, version, records, meta, keep_last, prefix)
         collectives.barrier()
+        return path
+
+    def _start_entry(self, parent: Path, name: str) -> Path:
+        """Rank 0: the temp folder of entry PARENT/NAME, once the previous collection is
+        done and (the first time for `parent`) a crashed process's leftovers are gone."""
+        self.wait_for_cleanup()
+        if parent not in self._swept:  # leftovers only come from an earlier, crashed process
+            handoff.remove_stale(parent)
+            self._swept.add(parent)
+        return handoff.new_tmp_dir(parent, name)
+
+    def _finish_entry(
+        self,
+        tmp: Path,
+        parent: Path,
+        name: str,
+        version: int,
+        records: list,
+        meta: dict[str, Any],
+        keep_last: int | None,
+        prefix: str,
+    ) -> Path:
+        """Rank 0: manifest and rename of the entry (handoff), then old entries collected
+        in the background."""
+        path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
+        if keep_last:
+            self._collect_in_background(parent, prefix, keep_last)
         return path
 
     def export_adapter(
@@ -393,11 +414,7 @@ class Checkpointer:
             tensors = {k: collectives.full_tensor(v) for k, v in adapter_state(model).items()}
         path = None
         if rank == 0:
-            self.wait_for_cleanup()
-            if parent not in self._swept:
-                handoff.remove_stale(parent)
-                self._swept.add(parent)
-            tmp = handoff.new_tmp_dir(parent, name)
+            tmp = self._start_entry(parent, name)
             base = str(model_dir.resolve())
             records = write_adapter(tmp, {k: v.cpu() for k, v in tensors.items()}, spec, base)
             records += [
@@ -406,8 +423,6 @@ class Checkpointer:
                 if src.name != "config.json"  # a model's config would make it look whole
             ]
             meta["base_model"] = base
-            path = handoff.finish_entry(tmp, parent / name, version, records, meta).path
-            if keep_last:
-                self._collect_in_background(parent, prefix, keep_last)
+            path = self._finish_entry(tmp, parent, name, version, records, meta, keep_last, prefix)
         collectives.barrier()
         return path

@@ -34,7 +34,7 @@ from torch import nn
 
 from areal_cli.config.model_info import parallel_problem
 from areal_cli.config.schema import FSDPEngineConfig, torch_dtype
-from areal_cli.models.lora import LoraSpec
+from areal_cli.models.lora import LoraSpec, is_adapter_key
 from areal_cli.trainer.mesh import TrainerMesh
 
 # The plan of every architecture in TP_MODEL_TYPES: all are Llama-shaped (Qwen2 adds q/k/v
@@ -140,7 +140,7 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     if problem:
         raise ValueError(problem)
     if tmesh.tp > 1:
-        if any(name.endswith(".lora_A") for name, _ in model.named_parameters()):
+        if any(is_adapter_key(name) for name, _ in model.named_parameters()):
             raise ValueError(
                 "LoRA (actor.use_lora) with tensor parallelism (t > 1) is not built; "
                 "use d and c only"

@@ -59,15 +59,11 @@ def sent_items(model: nn.Module) -> list[tuple[str, torch.Tensor, float]]:
     exported folder's: a tied lm_head is left out, as there), each with the factor it is
     sent times. A LoRA model sends its adapters only (`...lora_A`, `...lora_B`), B times
     the adapter's scale alpha / r, so that a receiver merges W + B A with no config."""
-    from areal_cli.models.lora import LoraLinear
+    from areal_cli.models.lora import LoraLinear, adapter_state
 
     scales = {f"{n}.lora_B": m.scale for n, m in model.named_modules() if isinstance(m, LoraLinear)}
     if scales:
-        return [
-            (k, v, scales.get(k, 1.0))
-            for k, v in model.state_dict().items()
-            if k.endswith((".lora_A", ".lora_B"))
-        ]
+        return [(k, v, scales.get(k, 1.0)) for k, v in adapter_state(model).items()]
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     items = model.state_dict().items()
     return [(k, v, 1.0) for k, v in items if not (tied and k == "lm_head.weight")]

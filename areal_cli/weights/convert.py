@@ -186,10 +186,11 @@ def dcp_to_hf(
     src: Source, tmp: Path, model_dir: Path, dtype: torch.dtype | None, max_shard: int
 ) -> list[handoff.FileRecord]:
     """Stream a DCP checkpoint into HF safetensors shards plus config and tokenizer."""
+    from areal_cli.models.lora import is_adapter_key
     from areal_cli.rundir.safetensors_io import StreamingWriter
 
     specs = _dcp_model_tensors(src.path, src.prefix)
-    if any(name.endswith((".lora_A", ".lora_B")) for name, _, _ in specs):
+    if any(is_adapter_key(name) for name, _, _ in specs):
         raise ConvertError(
             f"{src.entry} is a LoRA run's recover entry: it holds the adapters, not the "
             "frozen base; convert the run's adapter folders (checkpoints/step-N, "
@@ -505,21 +506,13 @@ def _tensors(side: Source) -> Iterator[tuple[str, torch.Tensor]]:
 
 def adapter_base(adapter: Path, override: Path | None) -> Path:
     """The base model folder of a LoRA adapter folder: --model-config, else the one its
-    adapter_config.json names (a local folder)."""
-    if override is not None:
-        base = override
-    else:
-        from areal_cli.rundir.layout import ADAPTER_CONFIG
+    adapter_config.json names (a local folder with its weights)."""
+    from areal_cli.rundir.layout import adapter_base_model
 
-        try:
-            named = json.loads((adapter / ADAPTER_CONFIG).read_text()).get(
-                "base_model_name_or_path"
-            )
-        except (OSError, ValueError) as exc:
-            raise ConvertError(f"cannot read {adapter / ADAPTER_CONFIG}: {exc}") from exc
-        if not named:
-            raise ConvertError(f"{adapter} names no base model; pass --model-config BASE_DIR")
-        base = Path(named)
+    try:
+        base = override if override is not None else adapter_base_model(adapter)
+    except ValueError as exc:
+        raise ConvertError(f"{exc}; pass --model-config BASE_DIR") from None
     if not (base / "config.json").is_file() or not list(base.glob("*.safetensors")):
         raise ConvertError(
             f"the base model {base} is not an HF folder on this machine; pass --model-config BASE_DIR"

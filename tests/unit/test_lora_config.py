@@ -139,9 +139,10 @@ class _Recorder:
 def test_the_client_names_adapters_retires_the_old_and_labels_tokens(tmp_path: Path) -> None:
     """Each adapter version loads as NAME-vK on every server and retires the one before
     the current (in-flight requests may still name the current one); requests then name
-    the newest, and their tokens carry its version whatever the server's label."""
+    the newest, from any sibling client of the same servers, and their tokens carry its
+    version whatever the server's label."""
     from areal_cli.inference.client import InferenceClient
-    from areal_cli.rundir.layout import ADAPTER_CONFIG
+    from areal_cli.rundir.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     loads: list[tuple[str, str, str | None]] = []
 
@@ -152,13 +153,16 @@ def test_the_client_names_adapters_retires_the_old_and_labels_tokens(tmp_path: P
 
     client = InferenceClient(["http://127.0.0.1:1"], backend="sglang", lora_name="run")
     client.backend = Backend()
+    evaluator = client.sibling()  # made before any load, as evaluation during training's
     for k in (1, 2, 3):
         folder = tmp_path / f"v{k}"
         folder.mkdir()
         (folder / ADAPTER_CONFIG).write_text("{}")
+        (folder / ADAPTER_WEIGHTS).write_bytes(b"")  # present: the backend reads it
         asyncio.run(client.update_weights_from_disk(str(folder), k))
     assert loads == [("run-v1", "1", None), ("run-v2", "2", None), ("run-v3", "3", "run-v1")]
     assert client.adapter == ("run-v3", "3")
+    assert evaluator.adapter == ("run-v3", "3")  # it never names a retired adapter
 
     async def answer(path: str, body: dict) -> dict:
         assert body["lora_path"] == "run-v3"

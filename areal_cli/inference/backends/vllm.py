@@ -87,7 +87,6 @@ from areal_cli.inference.backends.base import (
     given,
     importable,
 )
-from areal_cli.rundir.layout import ADAPTER_WEIGHTS
 from areal_cli.rundir.weight_group import PYNCCL
 
 VLLM_MISSING = (
@@ -245,10 +244,9 @@ class VLLM(InferenceBackend):
         """POST /v1/load_lora_adapter (vLLM's LoadLoRAAdapterRequest), then
         /v1/unload_lora_adapter of `retire`. As on SGLang, a request generates with the
         adapter it names (the `model` of /inference/v1/generate) from start to end, so no
-        version label changes: the client labels its tokens with that adapter's version."""
-        refused = adapter_missing(folder)
-        if refused:
-            return {"success": False, "message": refused}
+        version label changes: the client labels its tokens with that adapter's version.
+        The client has checked the folder first (rundir.layout.adapter_problem): vLLM
+        reads a path that is not a folder for a Hub id."""
         failed = await _steps(link, [(LOAD_LORA, {"lora_name": name, "lora_path": folder})])
         if failed is not None:
             return failed
@@ -425,15 +423,6 @@ def folder_problem(model_path: str) -> str:
         return f"no weights folder {model_path}"
     if not any(folder.glob("*.safetensors")):
         return f"{model_path} holds no .safetensors files"
-    return ""
-
-
-def adapter_missing(folder: str) -> str:
-    """Why vLLM must not be asked to load the adapter FOLDER ('' when it may): vLLM reads a
-    path that is not a folder for a Hub id."""
-    path = Path(folder)
-    if not (path / ADAPTER_WEIGHTS).is_file():
-        return f"{folder} holds no {ADAPTER_WEIGHTS}"
     return ""
 
 
