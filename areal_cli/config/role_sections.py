@@ -1,4 +1,4 @@
-"""The recipe sections of the supervised roles (`algorithm: sft`, `algorithm: rm`): the
+"""The recipe sections of the supervised roles (`algorithm: sft`, `rm`, `dpo`): the
 schema of what only those roles read. areal_cli.config.schema holds the sections every
 run reads and the RL ones, and puts these under ExperimentConfig."""
 
@@ -71,6 +71,13 @@ class RMConfig:
         "Held-out loss and pairwise accuracy every this many steps, and after the last one.",
         ge=1,
     )
+
+
+@dataclass
+class DPOConfig(RMConfig):
+    """Direct preference optimization (algorithm: dpo) on the same preference rows as rm:
+    the policy itself, against a frozen copy of model.path, learns to prefer the chosen
+    answer (areal_cli.trainer.dpo; actor.beta and actor.loss_type set the loss)."""
 
 
 @dataclass

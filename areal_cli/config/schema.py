@@ -16,7 +16,7 @@ from typing import Any
 
 from areal_cli.config.fields import field, sub
 from areal_cli.config.launcher_sections import LauncherConfig
-from areal_cli.config.role_sections import CriticConfig, RMConfig, SFTConfig
+from areal_cli.config.role_sections import CriticConfig, DPOConfig, RMConfig, SFTConfig
 
 
 def torch_dtype(name: str) -> Any:
@@ -33,11 +33,16 @@ def torch_dtype(name: str) -> Any:
 # alias convert-checkpoint accepts) to torch.<name>.
 DTYPES = ("float32", "bfloat16", "float16")
 # what a recipe trains (`algorithm`); the supervised roles need no inference server
-ALGORITHMS = ("grpo", "ppo", "sft", "rm")
-SUPERVISED = ("sft", "rm")  # each reads the section of its own name (sft:, rm:)
-ROLE_SECTIONS = {"sft": "sft", "rm": "rm", "critic": "ppo"}  # section -> the algorithm reading it
+ALGORITHMS = ("grpo", "ppo", "sft", "rm", "dpo")
+SUPERVISED = ("sft", "rm", "dpo")  # each reads the section of its own name (sft:, rm:, dpo:)
+ROLE_SECTIONS = {
+    "sft": "sft",
+    "rm": "rm",
+    "dpo": "dpo",
+    "critic": "ppo",
+}  # section -> the algorithm reading it
 # the top-level sections and actor keys that only an RL algorithm reads
-RL_SECTIONS = ("rollout", "gconfig", "reward", "inference", "eval")
+RL_SECTIONS = ("rollout", "gconfig", "reward", "inference", "eval", "teacher")
 RL_ACTOR_KEYS = (
     "weight_update", "ppo_n_minibatches", "adv_estimator", "reward_norm", "adv_norm",
     "reward_scaling", "reward_bias", "reward_clip", "c_clip", "importance_sampling_level",
@@ -45,7 +50,7 @@ RL_ACTOR_KEYS = (
     "overlong_tokens", "overlong_penalty_factor", "mask_no_eos_with_zero",
     "eps_clip", "eps_clip_higher", "use_decoupled_loss", "behav_imp_weight_cap", "kl_ctl",
     "kl_estimator", "loss_agg_mode", "use_sapo_loss", "sapo_tau_pos", "sapo_tau_neg",
-    "m2_threshold",
+    "m2_threshold", "rejection_sampling", "prox_logp_method",
 )  # fmt: skip
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 BUILTIN_MODELS = (
@@ -248,6 +253,36 @@ class NormConfig:
 
 
 @dataclass
+class RejectionSamplingConfig:
+    """Decoupled PPO's filter on the behaviour importance weight pi_prox / pi_behave (AReaL's actor.rejection_sampling); behav_imp_weight_cap is its short form."""
+
+    level: str = field(
+        "token",
+        "Judge each token alone, or each sequence as a whole (all its tokens share its fate; with metric ratio its weight is the sequence's geometric mean ratio).",
+        choices=("token", "sequence"),
+    )
+    action: str = field(
+        "mask",
+        "mask: drop what is out of bounds from the loss; clamp: keep it with its weight clamped into [lower, upper] (metric ratio only).",
+        choices=("mask", "clamp"),
+    )
+    metric: str = field(
+        "ratio",
+        "What the bounds apply to: the ratio pi_prox / pi_behave, or a KL estimate of it, kl_k1 (log r), kl_k2 ((log r)^2 / 2) or kl_k3 (1/r - 1 + log r).",
+        choices=("ratio", "kl_k1", "kl_k2", "kl_k3"),
+    )
+    agg: str = field(
+        "mean",
+        "level sequence: the sequence's sum, mean or max of the metric over its tokens (the ratio's in log space: mean is the geometric mean).",
+        choices=("sum", "mean", "max"),
+    )
+    upper: float | None = field(
+        5.0, "Out of bounds above this; null with lower null turns the filter off."
+    )
+    lower: float | None = field(None, "Out of bounds below this; null: no lower bound.")
+
+
+@dataclass
 class TrainEngineConfig:
     """The actor: FSDP2 trainer, optimizer, micro-batching, weight publication and PPO loss."""
 
@@ -308,9 +343,15 @@ class TrainEngineConfig:
         "Decoupled PPO: clip against recomputed proximal logprobs and weight by proximal/behaviour ratio.",
     )
     behav_imp_weight_cap: float | None = field(
-        5.0,
-        "Tokens whose proximal/behaviour importance weight exceeds this are dropped; null disables.",
+        None,
+        "Short form of rejection_sampling {metric: ratio, level: token, action: mask, upper: CAP}: tokens whose proximal/behaviour importance weight exceeds it are dropped. null: rejection_sampling decides.",
         gt=1,
+    )
+    rejection_sampling: RejectionSamplingConfig = sub(RejectionSamplingConfig)
+    prox_logp_method: str = field(
+        "recompute",
+        "Decoupled PPO's proximal logprobs when a separate pass would be needed (ppo_n_minibatches > 1, stale tokens): recompute (a no-grad forward), loglinear (skip it: interpolate between behaviour and current logprobs by version), or metrics (recompute, and log how far the approximations are).",
+        choices=("recompute", "loglinear", "metrics"),
     )
     kl_ctl: float = field(
         0.0, "Coefficient of the KL penalty to the reference (initial) policy; 0 disables.", ge=0
@@ -334,6 +375,16 @@ class TrainEngineConfig:
         "M2PO (arXiv 2510.01161): drop the tokens with the largest (log proximal/behaviour)^2 until the mean over the minibatch's kept tokens is below this; null disables.",
         gt=0,
     )
+    beta: float = field(
+        0.1,
+        "DPO (algorithm: dpo): the strength of the implicit KL to the reference model; the implicit reward is beta * (log pi - log pi_ref).",
+        gt=0,
+    )
+    loss_type: str = field(
+        "sigmoid",
+        "DPO's loss: sigmoid (the paper's -log sigmoid of the reward margin) or ipo (Azar et al. 2023: squared distance of the per-token log-ratio margin from 1 / (2 beta)).",
+        choices=("sigmoid", "ipo"),
+    )
     use_lora: bool = field(
         False,
         "Train LoRA adapters on a frozen base model: only the adapters get gradients and optimizer state, and only they travel to the servers (PEFT's folder layout).",
@@ -349,6 +400,13 @@ class TrainEngineConfig:
         factory=lambda: ["all-linear"],
         doc="Linear layers that get adapters: all-linear (every one but the output head), or module-name suffixes such as q_proj, v_proj (PEFT's matching).",
     )
+
+    def rejection(self) -> RejectionSamplingConfig:
+        """The filter in force: behav_imp_weight_cap, the short form, when it is set
+        (the rules refuse it beside rejection_sampling keys), else rejection_sampling."""
+        if self.behav_imp_weight_cap is not None:
+            return RejectionSamplingConfig(upper=self.behav_imp_weight_cap)
+        return self.rejection_sampling
 
 
 @dataclass
@@ -527,6 +585,23 @@ class DatasetConfig:
     system_prompt: str = field("", "Optional system message put before every prompt.")
     shuffle: bool = field(True, "Shuffle the dataset (with `seed`) at the start of each epoch.")
     seed: int = field(1, "Shuffle seed.", ge=0)
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation (AReaL's teacher section): a frozen teacher in the trainer
+    ranks, sharded like the reference model, scores every rollout token; the loss adds the
+    student's reverse KL to it (areal_cli.trainer.step)."""
+
+    path: str = field(
+        "",
+        "The teacher: an HF causal-LM folder (a checkpoint of another run, say) or builtin:NAME, sharing the student's tokenizer; empty: no distillation.",
+        path=True,
+    )
+    rl_loss_weight: float = field(
+        1.0, "Weight of the RL (PPO/GRPO) loss; 0: pure distillation.", ge=0
+    )
+    distill_loss_weight: float = field(0.005, "Weight of the reverse-KL distillation loss.", ge=0)
 
 
 @dataclass
@@ -737,7 +812,7 @@ class ExperimentConfig:
     )
     algorithm: str = field(
         "grpo",
-        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss with group advantages), ppo (the same with a critic and GAE), sft (supervised on dataset answers) or rm (a reward model on preference pairs); sft and rm start no inference server.",
+        "What to train: grpo (RL: inference servers, rollouts, the actor's PPO loss with group advantages), ppo (the same with a critic and GAE), sft (supervised on dataset answers), rm (a reward model on preference pairs) or dpo (direct preference optimization on those pairs, against a frozen reference); sft, rm and dpo start no inference server.",
         choices=ALGORITHMS,
     )
     seed: int = field(1, "Global seed of the trainer and the rollout loop.", ge=0)
@@ -749,11 +824,13 @@ class ExperimentConfig:
     trainer: TrainerConfig = sub(TrainerConfig)
     sft: SFTConfig = sub(SFTConfig)
     rm: RMConfig = sub(RMConfig)
+    dpo: DPOConfig = sub(DPOConfig)
     critic: CriticConfig = sub(CriticConfig)
     rollout: RolloutConfig = sub(RolloutConfig)
     gconfig: GenerationHyperparameters = sub(GenerationHyperparameters)
     dataset: DatasetConfig = sub(DatasetConfig)
     reward: RewardConfig = sub(RewardConfig)
+    teacher: TeacherConfig = sub(TeacherConfig)
     inference: InferenceConfig = sub(InferenceConfig)
     saver: SaverConfig = sub(SaverConfig)
     recover: RecoverConfig = sub(RecoverConfig)

@@ -41,7 +41,13 @@ from areal_cli.rollout.phases import ServerTurn
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rundir import handoff, heartbeat, registry
 from areal_cli.rundir.disk import ALL_ENTRIES, DiskProblem, diagnose, is_disk_error, sweep
-from areal_cli.rundir.layout import RunClaim, initial_model_path, prepare_run_dir, trim_after
+from areal_cli.rundir.layout import (
+    RunClaim,
+    initial_model_path,
+    prepare_run_dir,
+    teacher_model_path,
+    trim_after,
+)
 from areal_cli.rundir.paths import VERSION_PREFIX, RunDir, step_name
 from areal_cli.rundir.weight_group import GroupSpec
 
@@ -54,10 +60,13 @@ def ensure_model(loaded: LoadedConfig, run_dir: Path, say: Callable[[str], None]
     the cache; a build is announced, with its progress)."""
     cfg = loaded.config
     path = Path(initial_model_path(cfg, run_dir))
-    if cfg.model.path.startswith("builtin:"):
-        from areal_cli.launch import builtins
+    from areal_cli.launch import builtins
 
+    if cfg.model.path.startswith("builtin:"):
         builtins.materialize(cfg.model.path, cfg.model.seed, path, say)
+    if cfg.teacher.path.startswith("builtin:") and cfg.algorithm in ("grpo", "ppo"):
+        teacher = Path(teacher_model_path(cfg, run_dir))
+        builtins.materialize(cfg.teacher.path, cfg.model.seed, teacher, say)
     return path
 
 

@@ -80,6 +80,14 @@ def initial_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
     return cfg.model.path
 
 
+def teacher_model_path(cfg: ExperimentConfig, run_dir: Path) -> str:
+    """Where the trainer loads the distillation teacher from (a builtin is built in
+    RUN/teacher); empty: no teacher."""
+    if cfg.teacher.path.startswith("builtin:"):
+        return str(RunDir(run_dir).teacher)
+    return cfg.teacher.path
+
+
 def model_files_to_copy(model_dir: Path) -> list[Path]:
     """Config, generation config and tokenizer files to ship beside exported weights."""
     return [

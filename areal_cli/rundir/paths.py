@@ -92,6 +92,11 @@ class RunDir:
         return self.root / "model"
 
     @property
+    def teacher(self) -> Path:
+        """The builtin distillation teacher of teacher.path: builtin:NAME (linked)."""
+        return self.root / "teacher"
+
+    @property
     def scalar_model(self) -> Path:
         """The model a reward-model run trains: model.path's body with a scalar head."""
         return self.root / "model-rm"

@@ -42,6 +42,12 @@ RL_FIGURES = (
     "kl",
     "dual_clip_frac",  # actor.c_clip
     "m2_drop_frac",  # actor.m2_threshold (M2PO)
+    "rejected_frac",  # actor.rejection_sampling, action mask
+    "clamped_frac",  # actor.rejection_sampling, action clamp
+    "prox_loglinear_abs_err",  # actor.prox_logp_method: metrics
+    "prox_linear_abs_err",
+    "prox_rollout_abs_err",
+    "distill_kl",  # teacher: the student's per-token reverse KL to the teacher
     # algorithm: ppo (the critic; areal_cli.trainer.critic)
     "value_loss",
     "value_clip_frac",
@@ -61,6 +67,12 @@ SUPERVISED_FIGURES = (
     "margin",
     "chosen_score",
     "pairs",
+    "logp_accuracy",  # algorithm: dpo
+    "chosen_reward",
+    "rejected_reward",
+    "eval_margin",
+    "eval_logp_accuracy",
+    "eval_logp_accuracy_initial",
     "eval_accuracy",
     "eval_accuracy_initial",
     "grad_norm",

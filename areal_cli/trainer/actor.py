@@ -2,8 +2,8 @@
 publish the weights the servers load.
 
 Step k (from 1) waits for RUN/rollouts/step-k (or DIR/step-k with `--batches`), trains
-on it (areal_cli.trainer.step; a frozen reference model when `actor.kl_ctl > 0`, and
-under PPO the critic, areal_cli.trainer.critic, through the step's `ValueModel`), then
+on it (areal_cli.trainer.step; a frozen reference model when `actor.kl_ctl > 0`, a frozen
+teacher with `teacher.path` (on-policy distillation), and under PPO the critic, areal_cli.trainer.critic, through the step's `ValueModel`), then
 publishes RUN/weights/vk. A resumed run first republishes the weights it restored, so
 the servers continue from exactly them.
 """
@@ -19,13 +19,14 @@ from torch import nn
 from areal_cli.rundir import handoff
 from areal_cli.rundir.batch import read_batch
 from areal_cli.rundir.heartbeat import Heartbeat
+from areal_cli.rundir.layout import teacher_model_path
 from areal_cli.rundir.paths import step_name, version_name
 from areal_cli.rundir.records import TrainerStep
 from areal_cli.trainer.critic import Critic, build_critic
 from areal_cli.trainer.offload import Offload
 from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.state import Trainable, TrainerState, build_optimizer, memory_mb, print0
-from areal_cli.trainer.step import train_step
+from areal_cli.trainer.step import Teacher, train_step
 
 POLL_S = 0.05
 
@@ -57,6 +58,15 @@ def wait_for_entry(
             watcher.close()
 
 
+def _frozen(model_dir: Path, state: TrainerState) -> nn.Module:
+    """A frozen model sharded like the actor: the reference, or the distillation teacher
+    (collective)."""
+    cfg = state.cfg
+    model = build_sharded_model(model_dir, state.mesh, cfg.actor.fsdp, dtype=cfg.model.dtype)
+    model.eval().requires_grad_(False)
+    return model
+
+
 @dataclass
 class ActorRole:
     """The RL actor, as the trainer's loop drives it (state.Role)."""
@@ -65,22 +75,24 @@ class ActorRole:
     ref_model: nn.Module | None  # frozen, when actor.kl_ctl > 0
     critic: Critic | None  # algorithm: ppo
     critic_checkpoints: Path | None = None  # where its checkpoints/step-K exports go
+    teacher: Teacher | None = None  # frozen, with teacher.path (on-policy distillation)
 
     @classmethod
     def build(cls, state: TrainerState, batches: Path | None = None) -> ActorRole:
         """The reference model and the PPO critic, on the actor's mesh (collective)."""
         cfg, model_dir = state.cfg, state.actor.model_dir
-        ref_model = None
-        if cfg.actor.kl_ctl > 0:
-            ref_model = build_sharded_model(
-                model_dir, state.mesh, cfg.actor.fsdp, dtype=cfg.model.dtype
-            ).eval()
-            ref_model.requires_grad_(False)
+        ref_model = _frozen(model_dir, state) if cfg.actor.kl_ctl > 0 else None
+        teacher = None
+        if cfg.teacher.path:
+            state.beat.phase("build teacher")
+            model = _frozen(Path(teacher_model_path(cfg, state.run.root)), state)
+            t = cfg.teacher
+            teacher = Teacher(model, t.rl_loss_weight, t.distill_loss_weight)
         critic = None
         if cfg.algorithm == "ppo":
             state.beat.phase("build critic")
             critic = build_critic(cfg, model_dir, state.run.root, state.mesh, build_optimizer)
-        return cls(batches, ref_model, critic, state.run.critic_checkpoints)
+        return cls(batches, ref_model, critic, state.run.critic_checkpoints, teacher)
 
     def describe(self) -> str | None:
         return None
@@ -102,6 +114,7 @@ class ActorRole:
         if state.colocated and state.mesh.mesh.device_type == "cuda":
             modules = [t.model for t in state.trainables().values()]
             modules += [self.ref_model] if self.ref_model is not None else []
+            modules += [self.teacher.model] if self.teacher is not None else []
             optimizers = [t.optimizer for t in state.trainables().values()]
             state.offload = Offload(modules, optimizers, "cuda")
         state.give_back()
@@ -121,6 +134,7 @@ class ActorRole:
             a.model, a.optimizer, a.scheduler, batch, cfg.actor, cfg.gconfig.temperature,
             self.ref_model, beat=state.in_step(step), layout=state.layout, critic=self.critic,
             policy_version=step - 1,  # the weights now: those after step-1 steps (v0: initial)
+            teacher=self.teacher,
         )  # fmt: skip
         train_s = time.perf_counter() - t0
         state.beat.phase(f"step {step}: publish {version_name(step)}")

@@ -19,7 +19,7 @@ Tensor conventions
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -244,6 +244,111 @@ def _sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -
     return torch.where(mask, means, torch.zeros_like(means))
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """actor.rejection_sampling as the decoupled loss reads it (AReaL's RejectionSamplingConfig):
+    which tokens whose proximal policy has moved far from the behaviour policy are
+    filtered. ``upper`` and ``lower`` None together: no filter."""
+
+    level: str = "token"  # token, or sequence: every token of a sequence shares its fate
+    action: str = "mask"  # mask: drop them; clamp: bound their importance weight
+    metric: str = "ratio"  # ratio (prox/behav) or kl_k1, kl_k2, kl_k3 (estimators of it)
+    agg: str = "mean"  # sequence level: sum, mean or max over the sequence's tokens
+    upper: float | None = 5.0
+    lower: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.upper is not None or self.lower is not None
+
+
+def _in_bounds(x: torch.Tensor, rule: Rejection) -> torch.Tensor:
+    ok = torch.ones_like(x, dtype=torch.bool)
+    if rule.upper is not None:
+        ok &= x <= rule.upper
+    if rule.lower is not None:
+        ok &= x >= rule.lower
+    return ok
+
+
+def _sequence_agg(
+    x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, agg: str
+) -> torch.Tensor:
+    """Each token's sequence's sum, mean or max of `x` over its masked tokens (0 for a
+    sequence with none)."""
+    if agg == "mean":
+        return _sequence_mean(x, mask, seq_ids)
+    ids = seq_ids.long().reshape(-1)
+    n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    m = mask.reshape(-1)
+    if agg == "sum":
+        flat = torch.where(m, x.reshape(-1), torch.zeros_like(x.reshape(-1)))
+        per_seq = flat.new_zeros(n_seq).index_add(0, ids, flat)
+    elif agg == "max":
+        flat = torch.where(m, x.reshape(-1), torch.full_like(x.reshape(-1), -math.inf))
+        per_seq = flat.new_full((n_seq,), -math.inf).scatter_reduce(0, ids, flat, "amax")
+        per_seq = torch.where(torch.isfinite(per_seq), per_seq, torch.zeros_like(per_seq))
+    else:
+        raise ValueError(f"unknown sequence aggregation {agg!r}; choose sum, mean or max")
+    return per_seq[ids].reshape(x.shape)
+
+
+def behaviour_weights(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rule: Rejection | None,
+    seq_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Stats]:
+    """The decoupled loss's behaviour importance weights after rejection sampling
+    (AReaL's ``apply_rejection_sampling``, docs/en/algorithms: decoupled PPO).
+
+    ``log r = prox_logp - behav_logp`` per token (no grad). The metric is ``r`` (ratio), or
+    the KL estimate k1/k2/k3 of ``log r`` (:func:`kl_estimate`). At sequence level the
+    metric is aggregated over each sequence's masked tokens (``agg``; for the ratio in
+    log space, so mean is the geometric mean), and with the ratio metric every token's
+    weight is its sequence's geometric mean ratio. A token (or sequence) is out of bounds
+    when its metric is above ``upper`` or below ``lower``. ``mask`` drops it (weight 0,
+    still counted by the normalizer); ``clamp`` (ratio only) clamps its weight into
+    ``[lower or 0, upper]``. Returns (weights, kept mask, stats): ``imp_weight_mean`` and
+    ``imp_weight_max`` over the loss mask before filtering (outliers stay visible),
+    ``imp_weight_drop_frac`` (masked share) and ``imp_weight_clamp_frac`` (clamped share),
+    and ``behave_approx_kl``, the mean of ``log r`` over the kept tokens.
+    """
+    m = loss_mask.bool()
+    log_r = (prox_logp.detach() - behav_logp.detach()).to(_upcast(prox_logp).dtype)
+    log_r = torch.where(m & torch.isfinite(log_r), log_r, torch.zeros_like(log_r))
+    rule = rule or Rejection(upper=None)
+    sequence = rule.level == "sequence"
+    ids = _resolve_seq_ids(loss_mask, seq_ids) if sequence else None
+    token_w = torch.exp(log_r)
+    w = torch.exp(_sequence_mean(log_r, m, ids)) if sequence and rule.metric == "ratio" else token_w
+    keep, clamped = m, torch.zeros_like(m)
+    if rule.active:
+        if rule.metric == "ratio":  # aggregated in log space
+            metric = torch.exp(_sequence_agg(log_r, m, ids, rule.agg)) if sequence else token_w
+        else:
+            metric = kl_estimate(log_r, torch.zeros_like(log_r), rule.metric.removeprefix("kl_"))
+            metric = _sequence_agg(metric, m, ids, rule.agg) if sequence else metric
+        inside = _in_bounds(metric, rule)
+        if rule.action == "mask":
+            keep = m & inside
+        else:
+            low = rule.lower if rule.lower is not None else 0.0
+            high = rule.upper if rule.upper is not None else math.inf
+            bounded = w.clamp(min=low, max=high)
+            clamped = m & ~inside & (bounded != w)
+            w = torch.where(inside, w, bounded)
+    stats: Stats = {
+        "imp_weight_mean": _masked_mean(token_w, m),
+        "imp_weight_max": _masked_max(token_w, m),
+        "imp_weight_drop_frac": _masked_mean((m & ~keep).to(w.dtype), m),
+        "imp_weight_clamp_frac": _masked_mean(clamped.to(w.dtype), m),
+        "behave_approx_kl": _masked_mean(log_r, keep),
+    }
+    return torch.where(keep, w, torch.zeros_like(w)), keep, stats
+
+
 def decoupled_ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -252,33 +357,128 @@ def decoupled_ppo_loss(
     loss_mask: torch.Tensor,
     eps_clip: float = 0.2,
     eps_clip_higher: float | None = None,
-    behav_imp_weight_cap: float | None = None,
+    rejection: Rejection | None = None,
     c_clip: float | None = None,
     seq_ids: torch.Tensor | None = None,
+    rejection_seq_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Decoupled PPO (AReaL): clip against the proximal policy, reweight for the stale behaviour policy.
 
-    ``w = exp(prox_logp - behav_logp)`` (no grad), ``loss = w * ppo_loss(logp, prox_logp)``.
-    Tokens with ``w > behav_imp_weight_cap`` are *dropped*: their loss is 0 (weight 0), as in AReaL;
-    they stay in the normalizer, which is fixed from the loss mask before the forward pass.
-    ``None`` disables the cap. Clip/ratio stats cover the kept tokens; stats add ``imp_weight_mean``/``imp_weight_max`` over the loss mask
-    (before dropping, so outliers stay visible) and ``imp_weight_drop_frac``.
+    ``w`` = the behaviour importance weight ``exp(prox_logp - behav_logp)`` (no grad)
+    after rejection sampling (:func:`behaviour_weights`; None: no filter),
+    ``loss = w * ppo_loss(logp, prox_logp)``. Dropped tokens have loss 0 and stay in the
+    normalizer, which is fixed from the loss mask before the forward pass, as in AReaL.
+    ``seq_ids`` turns on GSPO's sequence ratio; ``rejection_seq_ids`` gives the sequences
+    of ``rejection.level: sequence``. Clip/ratio stats cover the kept tokens.
     """
-    m = loss_mask.bool()
-    log_w = torch.where(m, (prox_logp - behav_logp).detach(), torch.zeros_like(logp).detach())
-    w = torch.exp(log_w)
-    keep = m if behav_imp_weight_cap is None else m & (w <= behav_imp_weight_cap)
+    w, keep, wstats = behaviour_weights(
+        prox_logp, behav_logp, loss_mask, rejection, rejection_seq_ids
+    )
     pg_loss, stats = ppo_policy_loss(
         logp, prox_logp, advantages, keep, eps_clip, eps_clip_higher, c_clip, seq_ids
     )
-    loss = pg_loss * torch.where(keep, w, torch.zeros_like(w))
-    stats.update(
-        {
-            "imp_weight_mean": _masked_mean(w, m),
-            "imp_weight_max": _masked_max(w, m),
-            "imp_weight_drop_frac": _masked_mean((m & ~keep).to(w.dtype), m),
-        }
-    )
+    stats.update(wstats)
+    return pg_loss * w.to(pg_loss.dtype), stats
+
+
+def _version_alpha(versions: torch.Tensor, version: int) -> torch.Tensor:
+    """AReaL's interpolation weight per token: ``(v_prox - v_behave) / (v_theta - v_behave)``
+    with ``v_prox = version`` (the weights as the step starts) and ``v_theta = version + 1``
+    (the weights the step is making), clamped to [0, 1]; 0 on prompt tokens (version -1)."""
+    v = versions.to(torch.float64)
+    gap = version + 1.0 - v
+    alpha = torch.where((versions >= 0) & (gap > 0), (version - v) / gap.clamp(min=1.0), 0.0)
+    return alpha.clamp(0.0, 1.0)
+
+
+def loglinear_proximal(
+    logp: torch.Tensor, behav_logp: torch.Tensor, versions: torch.Tensor, version: int
+) -> torch.Tensor:
+    """prox_logp_method: loglinear (AReaL, docs/en/algorithms/prox_approx.md): the proximal
+    logprobs without their forward pass, ``behav + alpha * (logp - behav)`` per token, with
+    alpha from the token's version (:func:`_version_alpha`). No grad."""
+    alpha = _version_alpha(versions, version).to(logp.device, torch.float32)
+    behav = behav_logp.detach().to(logp.device, torch.float32)
+    return (behav + alpha * (logp.detach().float() - behav)).to(logp.dtype)
+
+
+def linear_proximal(
+    logp: torch.Tensor, behav_logp: torch.Tensor, versions: torch.Tensor, version: int
+) -> torch.Tensor:
+    """The same interpolation in probability space (AReaL's linear approximation, logged
+    under prox_logp_method: metrics): ``log((1 - alpha) p_behav + alpha p)``. No grad."""
+    alpha = _version_alpha(versions, version).to(logp.device, torch.float32)
+    behav = behav_logp.detach().to(logp.device, torch.float32)
+    mixed = (1 - alpha) * torch.exp(behav) + alpha * torch.exp(logp.detach().float())
+    return torch.log(mixed.clamp(min=1e-30)).to(logp.dtype)
+
+
+# ----------------------------------------------------------------------------- distillation
+
+
+def reverse_kl_loss(
+    logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (AReaL docs/en/algorithms/distillation.md; KDRL, Xu et al.
+    2025, arXiv 2506.02208): the student's reverse KL to the teacher, KL(pi || pi_T), on
+    tokens the student sampled. Per token, ``d = log pi - log pi_T`` (no grad) is the KL's
+    sampled estimate, and the loss is ``w * d`` with ``w = exp(logp - behav_logp)``, whose
+    gradient ``d * w * grad log pi`` is REINFORCE with reward ``-d`` under importance
+    sampling for the behaviour policy: the unbiased gradient of the KL, since
+    ``grad KL = E[(log pi - log pi_T) grad log pi]``. (A plain ``logp - teacher_logp``
+    penalty, AReaL's joint-loss form, has gradient ``E[grad log pi]``, which is zero on
+    policy.) Returns the per-token loss (0 off the mask) and ``d`` (detached, 0 off it)."""
+    m = loss_mask.bool()
+    zero = torch.zeros_like(logp)
+    d = torch.where(m, logp.detach() - teacher_logp.detach().to(logp.dtype), zero)
+    w = torch.exp(torch.where(m, logp - behav_logp.detach().to(logp.dtype), zero))
+    return torch.where(m, w * d, zero), d
+
+
+# ----------------------------------------------------------------------------- DPO
+
+
+def dpo_loss(
+    chosen_logp: torch.Tensor,
+    rejected_logp: torch.Tensor,
+    ref_chosen_logp: torch.Tensor,
+    ref_rejected_logp: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    chosen_len: torch.Tensor | None = None,
+    rejected_len: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """DPO per pair (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), from each answer's
+    summed logprob under the policy and the frozen reference:
+    ``r = beta * (logp - ref_logp)`` is the implicit reward, and the loss is
+    ``-log sigmoid(r_chosen - r_rejected)``. ``loss_type: ipo`` (Azar et al. 2023,
+    arXiv 2310.12036; AReaL's and TRL's convention) takes the log-ratios per answer
+    token, ``h = (logp_c - ref_c) / len_c - (logp_r - ref_r) / len_r``, and the loss
+    ``(h - 1 / (2 beta))^2``. Stats per pair (detached): ``chosen_reward``,
+    ``rejected_reward``, ``margin`` (their difference), ``correct`` (margin > 0)."""
+    chosen_ratio = chosen_logp - ref_chosen_logp.detach()
+    rejected_ratio = rejected_logp - ref_rejected_logp.detach()
+    if loss_type == "sigmoid":
+        loss = -torch.nn.functional.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    elif loss_type == "ipo":
+        if chosen_len is None or rejected_len is None:
+            raise ValueError("ipo needs the answers' token counts")
+        h = chosen_ratio / chosen_len.clamp(min=1) - rejected_ratio / rejected_len.clamp(min=1)
+        loss = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose sigmoid or ipo")
+    chosen_reward = beta * chosen_ratio.detach()
+    rejected_reward = beta * rejected_ratio.detach()
+    margin = chosen_reward - rejected_reward
+    stats: Stats = {
+        "chosen_reward": chosen_reward,
+        "rejected_reward": rejected_reward,
+        "margin": margin,
+        "correct": (margin > 0).to(margin.dtype),
+    }
     return loss, stats
 
 

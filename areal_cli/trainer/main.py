@@ -6,13 +6,13 @@
 Setup, then the loop, then cleanup:
   setup   process group (nccl on GPUs, gloo on CPU), device mesh (the train side of the
           allocation, D x C x T ranks, as the launcher parsed it), FSDP2 model, optimizer
-          (trainer.state.TrainerState), and the role (trainer.actor, .sft, .rm); with
+          (trainer.state.TrainerState), and the role (trainer.actor, .sft, .rm, .dpo); with
           --resume, the newest RUN/recover/step-N entry restores everything.
   loop    for each step k, counted from 1 (see areal_cli.rundir.paths): wait for
           RUN/rollouts/step-k (or DIR/step-k with --batches), train, publish weights
           RUN/weights/vk, append one line of stats to RUN/logs/trainer-metrics.jsonl,
           and every recover.freq_steps write RUN/recover/step-k.
-          Under a supervised role (algorithm: sft or rm) the batch is step k's rows of
+          Under a supervised role (algorithm: sft, rm or dpo) the batch is step k's rows of
           the dataset (see areal_cli.trainer.sft and .rm), with the held-out metrics
           every ROLE.eval_freq_steps, and nothing is published (there is no server).
           algorithm: rm trains a scalar head on the model's body: rank 0 first writes
@@ -176,6 +176,10 @@ def build_role(state: TrainerState, batches: Path | None) -> Role:
         from areal_cli.trainer.rm import RewardModelRole
 
         return RewardModelRole.build(state)
+    if state.cfg.algorithm == "dpo":
+        from areal_cli.trainer.dpo import DPORole
+
+        return DPORole.build(state)
     from areal_cli.trainer.actor import ActorRole
 
     return ActorRole.build(state, batches)

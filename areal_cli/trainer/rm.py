@@ -55,6 +55,7 @@ class Pairs:
     chosen: list[list[int]]
     rejected: list[list[int]]
     skipped: int
+    prompt_lens: list[int] = dataclasses.field(default_factory=list)  # shared by both sides
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -64,8 +65,9 @@ class Pairs:
 
 
 def load_pairs(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Pairs:
-    """Tokenize every row of `path` (a file with the columns of `dataset` and `rm`)."""
-    rm = cfg.rm
+    """Tokenize every row of `path` (a file with the columns of `dataset` and of the
+    role's section: `rm`, or `dpo` under algorithm: dpo)."""
+    rm = cfg.dpo if cfg.algorithm == "dpo" else cfg.rm
     data = dataclasses.replace(
         cfg.dataset, path=path, answer_key=rm.chosen_key, max_prompt_len=10**9
     )
@@ -75,7 +77,7 @@ def load_pairs(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Pairs:
             f"{path} has no column '{rm.rejected_key}' (rm.rejected_key); it has "
             f"{', '.join(sorted(rows[0]))}"
         )
-    chosen, rejected, skipped = [], [], 0
+    chosen, rejected, prompt_lens, skipped = [], [], [], 0
     for n, row in enumerate(rows):
         prompt = format_prompt(tokenizer, row, data)
         where = f"{path} row {n}"
@@ -86,7 +88,8 @@ def load_pairs(cfg: ExperimentConfig, tokenizer: Any, path: str) -> Pairs:
             continue
         chosen.append(good)
         rejected.append(bad)
-    return Pairs(chosen, rejected, skipped)
+        prompt_lens.append(len(prompt))
+    return Pairs(chosen, rejected, skipped, prompt_lens)
 
 
 def last_token_scores(

@@ -30,6 +30,7 @@ reduced over one rank per token (dp x cp), so tp replicas are not counted twice.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
 Beat = Callable[[str], None]
+PROX_APPROXIMATIONS = ("loglinear", "linear", "rollout")  # logged by prox_logp_method: metrics
 
 
 def _no_beat(phase: str) -> None:
@@ -273,7 +275,7 @@ class Stats:
 
 
 def _stat_keys(
-    cfg: TrainEngineConfig, critic: ValueModel | None = None
+    cfg: TrainEngineConfig, critic: ValueModel | None = None, distill: bool = False
 ) -> tuple[list[str], list[str]]:
     sums = ["loss", "loss_tokens", "tokens", "entropy_sum", "clip_frac_sum", "behav_logprob_sum"]
     if critic is not None:
@@ -284,11 +286,16 @@ def _stat_keys(
         sums.append("kl_sum")
     if cfg.c_clip is not None:
         sums.append("dual_clip_frac_sum")
-    if cfg.use_decoupled_loss:
-        sums.append("imp_weight_sum")
+    if cfg.use_decoupled_loss and not cfg.use_sapo_loss:
+        sums += ["imp_weight_sum", "imp_weight_dropped", "imp_weight_clamped"]
         maxes.append("imp_weight_max")
+        if cfg.prox_logp_method == "metrics":
+            sums += [f"prox_{name}_abs_err" for name in PROX_APPROXIMATIONS]
+            sums.append("prox_compared")
     if cfg.m2_threshold is not None:
         sums.append("m2_dropped")
+    if distill:
+        sums.append("distill_kl_sum")
     return sums, maxes
 
 
@@ -320,6 +327,16 @@ class ValueModel(Protocol):
 
 
 @dataclass
+class Teacher:
+    """On-policy distillation (the teacher section): the frozen teacher, sharded like the
+    actor, and the weights of the RL and distillation losses."""
+
+    model: nn.Module
+    rl_loss_weight: float = 1.0
+    distill_loss_weight: float = 0.005
+
+
+@dataclass
 class _StepRun:
     """What every pass of one step reads: the batch cut into minibatches, this rank's
     shard of each and its agreed micro-batch plan, and the stats being summed."""
@@ -334,6 +351,7 @@ class _StepRun:
     minibatches: list[list[int]]
     shards: list[list[int]]
     plans: list[_Shard]
+    distill: Teacher | None = None
 
     @property
     def n_minibatches(self) -> int:
@@ -351,6 +369,9 @@ class _Inputs:
     prox: list[list[torch.Tensor | None]] | None
     ref: list[list[torch.Tensor | None]] | None
     m2_cutoffs: list[float] | None = None  # M2PO: per minibatch, keep m2 <= it
+    version: int | None = None  # the weights' version as the step starts (the proximal's)
+    teacher: list[list[torch.Tensor | None]] | None = None  # on-policy distillation
+    on_policy: bool = False  # every generated token came from the weights of `version`
 
 
 def train_step(
@@ -365,6 +386,7 @@ def train_step(
     layout: StepLayout | None = None,
     critic: ValueModel | None = None,
     policy_version: int | None = None,
+    teacher: Teacher | None = None,
 ) -> dict[str, float]:
     """Run one PPO step on `batch` (collective over every trainer rank).
 
@@ -374,7 +396,9 @@ def train_step(
     `critic` (a `ValueModel`), advantages are per token by GAE, and the critic takes its
     own optimizer step after the actor's in every minibatch. `policy_version` is the
     version of the model's weights now: when every generated token of the batch came from
-    it, the proximal policy is the behaviour policy.
+    it, the proximal policy is the behaviour policy. With a `teacher` (frozen, same
+    sharding; cfg is then the run's, see `distill`), the loss adds the student's reverse
+    KL to it (on-policy distillation, `losses.reverse_kl_loss`).
 
     The proximal policy of decoupled PPO is the model as the step starts. With one
     minibatch, the step's own training forward runs on exactly those weights (nothing is
@@ -386,7 +410,7 @@ def train_step(
     if cfg.kl_ctl > 0 and ref_model is None:
         raise ValueError("actor.kl_ctl > 0 needs a reference model")
     temperature = temperature if temperature > 0 else 1.0
-    run = _plan_step(model, batch, cfg, temperature, layout, beat, critic)
+    run = _plan_step(model, batch, cfg, temperature, layout, beat, critic, teacher)
     inputs = _before_update(run, ref_model, critic, policy_version)
     grad_norms, critic_norms = [], []
     for m in range(run.n_minibatches):
@@ -407,40 +431,51 @@ def train_step(
     return _step_stats(run, grad_norms, critic_norms, optimizer, critic)
 
 
-def _plan_step(model, batch, cfg, temperature, layout, beat, critic) -> _StepRun:
+def _plan_step(model, batch, cfg, temperature, layout, beat, critic, teacher=None) -> _StepRun:
     """Cut the batch into minibatches and this rank's shards, and agree on their plans."""
     n = cfg.ppo_n_minibatches
     minibatches = [list(split_range(batch.n_seqs, n, m)) for m in range(n)]
     shards = [
         [mb[i] for i in split_range(len(mb), layout.dp_size, layout.dp_rank)] for mb in minibatches
     ]
-    stats = Stats(*_stat_keys(cfg, critic))
+    stats = Stats(*_stat_keys(cfg, critic, teacher is not None))
     beat("plan micro-batches")
     plans = agree_on_micro_batches(batch, shards, cfg)
-    return _StepRun(model, batch, cfg, temperature, layout, beat, stats, minibatches, shards, plans)
+    return _StepRun(
+        model, batch, cfg, temperature, layout, beat, stats, minibatches, shards, plans, teacher
+    )
 
 
 def _before_update(
-    run: _StepRun, ref_model: nn.Module | None, critic: ValueModel | None, version: int | None
+    run: _StepRun,
+    ref_model: nn.Module | None,
+    critic: ValueModel | None,
+    version: int | None,
 ) -> _Inputs:
     """The passes before the first update, in this order on every rank: the proximal
-    logprobs (when needed, see train_step), the reference's, the critic's targets."""
+    logprobs (when needed, see train_step), the reference's, the teacher's, the critic's
+    targets."""
     cfg = run.cfg
     adv_seq = seq_advantages(run.batch, cfg) if critic is None else None
     on_policy = version is not None and is_on_policy(run.batch, version)
     prox, cutoffs = None, None
     m2po = cfg.m2_threshold is not None and not on_policy  # on policy: every m2 is 0
-    if m2po or (cfg.use_decoupled_loss and not on_policy and run.n_minibatches > 1):
-        prox = _no_grad_logprobs(run.model, run, "proximal")
+    stale = cfg.use_decoupled_loss and not on_policy and run.n_minibatches > 1
+    if m2po or (stale and cfg.prox_logp_method != "loglinear"):
+        # minibatch 0 trains on the step's first weights, the proximal ones: its own
+        # forward gives them, unless M2PO needs them before that forward
+        prox = _no_grad_logprobs(run.model, run, "proximal", skip_first=not m2po)
     if m2po:
         cutoffs = [_m2_cutoff(run, m, row, cfg.m2_threshold) for m, row in enumerate(prox)]
     ref = _no_grad_logprobs(ref_model, run, "reference") if cfg.kl_ctl > 0 else None
+    teacher = run.distill
+    teacher_logp = _no_grad_logprobs(teacher.model, run, "teacher") if teacher else None
     targets = None
     if critic is not None:
         targets = critic.targets(
             run.batch, run.shards, run.plans, cfg, run.layout, run.beat, run.stats
         )
-    return _Inputs(adv_seq, targets, prox, ref, cutoffs)
+    return _Inputs(adv_seq, targets, prox, ref, cutoffs, version, teacher_logp, on_policy)
 
 
 def _m2_cutoff(run: _StepRun, m: int, prox: list[torch.Tensor | None], threshold: float) -> float:
@@ -499,12 +534,7 @@ def _micro_batch_loss(
     clip = {"eps_clip": cfg.eps_clip, "eps_clip_higher": cfg.eps_clip_higher, "c_clip": cfg.c_clip}
     if cfg.importance_sampling_level == "sequence":  # GSPO (context parallelism is refused)
         clip["seq_ids"] = t["seq_ids"]
-    if inputs.prox is not None:  # a proximal pass was made (decoupled PPO, M2PO)
-        proximal = inputs.prox[m][j].to(logp.device)
-    elif run.n_minibatches == 1:  # this forward's weights are the proximal ones
-        proximal = logp.detach()
-    else:  # on policy
-        proximal = t["logprobs"]
+    proximal = _proximal(run, m, j, logp, t, inputs)
     if inputs.m2_cutoffs is not None and math.isfinite(inputs.m2_cutoffs[m]):
         kept = mask & ((proximal - t["logprobs"]) ** 2 <= inputs.m2_cutoffs[m])
         run.stats.add("m2_dropped", float((mask & ~kept).sum()))
@@ -515,9 +545,10 @@ def _micro_batch_loss(
             logp, t["logprobs"], adv, mask, **tau, seq_ids=clip.get("seq_ids")
         )
     elif cfg.use_decoupled_loss:
+        rejection = losses.Rejection(**dataclasses.asdict(cfg.rejection()))
         loss_tok, lstats = losses.decoupled_ppo_loss(
             logp, proximal, t["logprobs"], adv, mask,
-            behav_imp_weight_cap=cfg.behav_imp_weight_cap, **clip,
+            rejection=rejection, rejection_seq_ids=t["seq_ids"], **clip,
         )  # fmt: skip
     else:
         loss_tok, lstats = losses.ppo_policy_loss(logp, t["logprobs"], adv, mask, **clip)
@@ -525,10 +556,51 @@ def _micro_batch_loss(
         kl = losses.kl_penalty(logp, inputs.ref[m][j], mask, cfg.kl_ctl, cfg.kl_estimator)
         loss_tok = loss_tok + kl
         run.stats.add("kl_sum", (kl.detach() / cfg.kl_ctl).sum())
+    if inputs.teacher is not None:
+        weights = run.distill
+        distill, rkl = losses.reverse_kl_loss(logp, inputs.teacher[m][j], t["logprobs"], mask)
+        loss_tok = weights.rl_loss_weight * loss_tok + weights.distill_loss_weight * distill
+        run.stats.add("distill_kl_sum", (rkl * mask).sum())
     loss = losses.aggregate_loss(
         loss_tok, mask, normalizer, cfg.loss_agg_mode, t["seq_ids"], t["seq_counts"]
     )
     return loss, lstats
+
+
+def _proximal(run: _StepRun, m: int, j: int, logp: torch.Tensor, t: dict, inputs: _Inputs):
+    """The proximal logprobs of micro-batch j of minibatch m: the policy as the step
+    starts. With one minibatch, its own forward runs on those weights. With more, an
+    on-policy batch takes the behaviour logprobs in every minibatch; otherwise minibatch
+    0's forward gives them, and later minibatches take them from the proximal pass, or
+    under prox_logp_method: loglinear from AReaL's interpolation (losses.loglinear_proximal)."""
+    if run.n_minibatches == 1:  # nothing is updated before this forward
+        return logp.detach()
+    if inputs.on_policy:
+        return t["logprobs"]
+    if m == 0:  # still the step's first weights
+        return logp.detach()
+    if inputs.prox is not None and inputs.prox[m][j] is not None:
+        exact = inputs.prox[m][j].to(logp.device)
+        if run.cfg.prox_logp_method == "metrics":
+            _approximation_errors(run, logp, t, exact, inputs.version)
+        return exact
+    if run.cfg.prox_logp_method == "loglinear" and inputs.version is not None:
+        return losses.loglinear_proximal(logp, t["logprobs"], t["versions"], inputs.version)
+    return t["logprobs"]  # no use_decoupled_loss: the behaviour policy
+
+
+def _approximation_errors(run: _StepRun, logp, t: dict, exact, version) -> None:
+    """prox_logp_method: metrics: how far each approximation of the proximal logprobs is
+    from the recomputed ones, summed over the trained tokens (AReaL's metrics mode)."""
+    mask = t["loss_mask"].bool()
+    guesses = {  # the order of PROX_APPROXIMATIONS
+        "loglinear": losses.loglinear_proximal(logp, t["logprobs"], t["versions"], version),
+        "linear": losses.linear_proximal(logp, t["logprobs"], t["versions"], version),
+        "rollout": t["logprobs"],
+    }
+    for name, guess in guesses.items():
+        run.stats.add(f"prox_{name}_abs_err", ((guess - exact).abs() * mask).sum())
+    run.stats.add("prox_compared", float(mask.sum()))
 
 
 def _step_stats(
@@ -596,13 +668,17 @@ def is_on_policy(batch: RolloutBatch, version: int) -> bool:
 
 @torch.no_grad()
 def _no_grad_logprobs(
-    model: nn.Module, run: _StepRun, name: str
+    model: nn.Module, run: _StepRun, name: str, skip_first: bool = False
 ) -> list[list[torch.Tensor | None]]:
     """Logprobs of every micro-batch under `model` as it is now: the proximal policy
-    (current weights before this step's update, for decoupled PPO) or the reference."""
+    (current weights before this step's update, for decoupled PPO) or the reference.
+    `skip_first`: none for minibatch 0 (all None; every rank skips it alike)."""
     out = []
     for m, (shard, plan) in enumerate(zip(run.shards, run.plans, strict=True)):
         row: list[torch.Tensor | None] = []
+        if skip_first and m == 0:
+            out.append([None] * len(plan.micro_batches))
+            continue
         for j, mb in enumerate(plan.micro_batches):
             run.beat(f"{name} mb {j + 1}/{len(plan.micro_batches)}" + _of(m, len(run.plans)))
             if mb:
@@ -636,6 +712,8 @@ def _record(stats: Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
     if "imp_weight_mean" in lstats:
         stats.add("imp_weight_sum", lstats["imp_weight_mean"] * n_tok)
         stats.max("imp_weight_max", lstats["imp_weight_max"])
+        stats.add("imp_weight_dropped", lstats["imp_weight_drop_frac"] * n_tok)
+        stats.add("imp_weight_clamped", lstats["imp_weight_clamp_frac"] * n_tok)
     stats.add("behav_logprob_sum", (t["logprobs"] * mask).sum())
 
 
@@ -716,6 +794,15 @@ def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> di
     if "imp_weight_sum" in out:
         result["imp_weight_mean"] = out.pop("imp_weight_sum") / loss_tokens
         result["imp_weight_max"] = out.pop("imp_weight_max")
+        # actor.rejection_sampling: the shares of trained tokens it dropped or clamped
+        result["rejected_frac"] = out.pop("imp_weight_dropped") / loss_tokens
+        result["clamped_frac"] = out.pop("imp_weight_clamped") / loss_tokens
+    if "prox_compared" in out:  # prox_logp_method: metrics, over the recomputed tokens
+        compared = max(out.pop("prox_compared"), 1.0)
+        for name in PROX_APPROXIMATIONS:
+            result[f"prox_{name}_abs_err"] = out.pop(f"prox_{name}_abs_err") / compared
+    if "distill_kl_sum" in out:  # the student's per-token reverse KL to the teacher
+        result["distill_kl"] = out.pop("distill_kl_sum") / loss_tokens
     if "m2_dropped" in out:  # M2PO: the share of trained tokens its filter dropped
         result["m2_drop_frac"] = out.pop("m2_dropped") / loss_tokens
     return result

@@ -96,7 +96,7 @@ def write_config(path: Path, model: Path, fileroot: Path, **overrides: object) -
             "optimizer": {"lr": 1e-3},
             "eps_clip": 0.2,
             "use_decoupled_loss": True,
-            "behav_imp_weight_cap": 5.0,
+            "rejection_sampling": {"upper": 5.0},
         },
         "recover": {"freq_steps": 0},
     }

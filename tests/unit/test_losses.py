@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from areal_cli.trainer.losses import (
+    Rejection,
     aggregate_loss,
     broadcast_to_tokens,
     compute_advantages,
@@ -168,7 +169,7 @@ def test_decoupled_with_capped_behaviour_weights() -> None:
     adv = torch.tensor([1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
     mask = torch.tensor([1, 1, 1, 0])
     loss, stats = decoupled_ppo_loss(
-        logp, prox, behav, adv, mask, eps_clip=0.2, behav_imp_weight_cap=3.0
+        logp, prox, behav, adv, mask, eps_clip=0.2, rejection=Rejection(upper=3.0)
     )
     close(loss, [-2.4, 0.0, 0.5, 0.0])
     close(stats["imp_weight_mean"], (2 + 4 + 0.5) / 3)  # over the loss mask, before dropping
@@ -187,7 +188,7 @@ def test_decoupled_equals_ppo_when_on_policy() -> None:
     g = torch.Generator().manual_seed(0)
     logp, prox, adv = (torch.randn(8, generator=g) * 0.3 for _ in range(3))
     mask = torch.ones(8)
-    dec, _ = decoupled_ppo_loss(logp, prox, prox, adv, mask, behav_imp_weight_cap=2.0)
+    dec, _ = decoupled_ppo_loss(logp, prox, prox, adv, mask, rejection=Rejection(upper=2.0))
     ppo, _ = ppo_policy_loss(logp, prox, adv, mask)
     close(dec, ppo.tolist())
 
@@ -286,7 +287,7 @@ def _split_batch_loss(
         adv = broadcast_to_tokens(seq_adv[members], mask, seq_ids)
         loss_tok, _ = decoupled_ppo_loss(
             logp, prox, behav, adv, mask, eps_clip=0.1, eps_clip_higher=0.15,
-            behav_imp_weight_cap=1.25,
+            rejection=Rejection(upper=1.25),
         )  # fmt: skip
         loss_tok = loss_tok + kl_penalty(logp, prox - 0.1, mask, kl_ctl=0.05, estimator="k3")
         if local_norm:  # the bug this API prevents: normalising each micro-batch by itself

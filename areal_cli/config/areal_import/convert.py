@@ -198,7 +198,7 @@ def _refuse_by_values(data: dict, source: str) -> None:
                     f"{source}: {key} {value} needs the {name} backend, which areal lacks"
                 )
     kind = str((data.get("train_dataset") or {}).get("type") or "rl")
-    if kind not in ("rl", "sft", "rw"):
+    if kind not in ("rl", "sft", "rw", "dpo"):
         raise ImportRefused(
             f"{source}: train_dataset.type {kind} needs a {kind.upper()} trainer, which areal lacks"
         )
@@ -264,7 +264,9 @@ class Specials:
     def __init__(self, data: dict, out: Imported, script: str | None) -> None:
         self.data, self.out, self.script = data, out, script
         train = data.get("train_dataset") or {}
-        self.kind = {"rl": "grpo", "sft": "sft", "rw": "rm"}[str(train.get("type") or "rl")]
+        self.kind = {"rl": "grpo", "sft": "sft", "rw": "rm", "dpo": "dpo"}[
+            str(train.get("type") or "rl")
+        ]
         if self.kind == "grpo" and data.get("critic"):
             self.kind = "ppo"
 
@@ -292,7 +294,9 @@ class Specials:
         self.fit_context()
         self.steps()
         self.outputs()
-        if self.kind in ("sft", "rm"):
+        if self.kind == "dpo":
+            self.dpo_reference()
+        if self.kind in ("sft", "rm", "dpo"):
             self.supervised()
 
     # -- allocation ---------------------------------------------------------------------
@@ -343,7 +347,7 @@ class Specials:
             if not sep:
                 backend, dims = "fsdp", component
             parts.append(f"{backend}:{_dims(dims, 'allocation_mode')}")
-        if self.kind in ("sft", "rm"):
+        if self.kind in ("sft", "rm", "dpo"):
             parts = [p for p in parts if p.startswith("fsdp")]
         return joint.join(parts)
 
@@ -535,20 +539,28 @@ class Specials:
                 )
 
     def importance_cap(self) -> None:
-        """AReaL's rejection_sampling on the ratio is areal's behav_imp_weight_cap."""
+        """AReaL's rejection_sampling keys are areal's (plain renames); without them, or
+        null, AReaL filters nothing, where areal's default drops ratios above 5."""
         actor = self.section("actor")
-        cap = actor.get("rejection_sampling") or {}
-        if cap:
-            if cap.get("metric", "ratio") == "ratio" and cap.get("upper") is not None:
-                if "behav_imp_weight_cap" not in actor and "behave_imp_weight_cap" not in actor:
-                    self.out.set("actor.behav_imp_weight_cap", float(cap["upper"]))
-                self.out.changed.append(
-                    f"actor.rejection_sampling (ratio, upper {cap['upper']}) -> actor.behav_imp_weight_cap"
-                )
-            else:
-                self.out.lost.append(
-                    f"actor.rejection_sampling {cap}: areal caps the importance ratio only"
-                )
+        if isinstance(actor.get("rejection_sampling"), dict):
+            return
+        if "behav_imp_weight_cap" in actor or "behave_imp_weight_cap" in actor:
+            return
+        said = "null" if "rejection_sampling" in actor else "absent"
+        self.out.set("actor.rejection_sampling.upper", None)
+        self.out.changed.append(
+            f"actor.rejection_sampling {said} (AReaL filters nothing) -> actor.rejection_sampling.upper: null"
+        )
+
+    def dpo_reference(self) -> None:
+        """DPO's reference is a frozen copy of model.path, as AReaL's examples make it."""
+        ref, actor = self.section("ref"), self.section("actor")
+        if ref.get("path") in (None, actor.get("path")):
+            self.out.dropped.append("ref: DPO's reference is a frozen copy of model.path")
+        else:
+            self.out.lost.append(
+                f"ref.path {ref.get('path')}: areal's DPO reference is a frozen copy of model.path"
+            )
 
     def reference(self) -> None:
         ref, actor = self.section("ref"), self.section("actor")
@@ -588,7 +600,7 @@ class Specials:
             self.out.set("dataset.path", path)
             self.out.set("dataset.type", "hub")
             self.out.set("dataset.split", "train")
-            if self.kind != "rm":
+            if self.kind not in ("rm", "dpo"):
                 self.out.set("dataset.prompt_key", known.prompt_key)
                 self.out.set("dataset.answer_key", known.answer_key)
             self.out.changed.append(
@@ -626,11 +638,12 @@ class Specials:
                 "ppo": "rollout.batch_size",
                 "sft": "sft.batch_size",
                 "rm": "rm.batch_size",
+                "dpo": "dpo.batch_size",
             }[self.kind]
             self.out.set(target, int(batch))
             self.out.changed.append(f"train_dataset.batch_size -> {target}")
         if train.get("max_length") is not None:
-            target = {"sft": "sft.max_len", "rm": "rm.max_len"}.get(
+            target = {"sft": "sft.max_len", "rm": "rm.max_len", "dpo": "dpo.max_len"}.get(
                 self.kind, "dataset.max_prompt_len"
             )
             self.out.set(target, int(train["max_length"]))
@@ -656,7 +669,7 @@ class Specials:
             split = f", split {vknown.eval_split}" if vknown else ""
             self.out.changed.append(f"valid_dataset.path {vpath} -> eval.dataset{split}")
         elif vpath:
-            target = {"sft": "sft.eval_path", "rm": "rm.eval_path"}[self.kind]
+            target = f"{self.kind}.eval_path"
             if vpath.endswith((".jsonl", ".json", ".parquet")):
                 self.out.set(target, vpath)
                 self.out.changed.append(f"valid_dataset.path -> {target}")
@@ -731,7 +744,7 @@ class Specials:
 
     def outputs(self) -> None:
         per_epoch = self._steps_per_epoch()
-        role = self.kind if self.kind in ("sft", "rm") else None
+        role = self.kind if self.kind in ("sft", "rm", "dpo") else None
         evaluated = self.out.get(f"{role}.eval_path" if role else "eval.dataset.path")
         for section, target in (
             ("saver", "saver.freq_steps"),
@@ -770,7 +783,8 @@ class Specials:
                 self.out.recipe.pop(section, None)
         actor = self.out.recipe.get("actor", {})
         for name in list(actor):
-            if name not in ("optimizer", "mb_spec", "gradient_checkpointing", "fsdp"):
+            keep = ("optimizer", "mb_spec", "gradient_checkpointing", "fsdp", "beta", "loss_type")
+            if name not in keep:
                 actor.pop(name)
 
 

@@ -139,7 +139,11 @@ RULES: dict[str, Rule] = {
     "actor.use_decoupled_loss": Rename("actor.use_decoupled_loss"),
     "actor.behav_imp_weight_cap": Rename("actor.behav_imp_weight_cap"),
     "actor.behave_imp_weight_cap": Rename("actor.behav_imp_weight_cap"),
-    "actor.rejection_sampling.*": SPECIAL,
+    **{
+        f"actor.rejection_sampling.{k}": Rename(f"actor.rejection_sampling.{k}")
+        for k in ("level", "action", "metric", "agg", "upper", "lower")
+    },
+    "actor.rejection_sampling": SPECIAL,  # null (AReaL: no filter), or absent
     "actor.recompute_logprob": Drop(
         "areal recomputes the proximal logprobs whenever the decoupled loss needs them"
     ),
@@ -165,8 +169,9 @@ RULES: dict[str, Rule] = {
     "actor.sapo_tau_pos": Rename("actor.sapo_tau_pos"),
     "actor.sapo_tau_neg": Rename("actor.sapo_tau_neg"),
     "actor.m2_threshold": Rename("actor.m2_threshold"),
-    "actor.prox_logp_method": Refuse("approximated proximal logprobs (prox_logp_method)"),
-    "actor.beta": Refuse("DPO"),
+    "actor.prox_logp_method": Rename("actor.prox_logp_method"),
+    "actor.beta": Rename("actor.beta"),
+    "actor.loss_type": Rename("actor.loss_type"),
     "actor.megatron.*": Refuse("the Megatron backend", False),
     "actor.archon.*": Refuse("the Archon backend", False),
     "actor.*": BOOKKEEPING,  # experiment_name, trial_name, scheduling_spec, ...
@@ -177,7 +182,12 @@ RULES: dict[str, Rule] = {
     "critic.optimizer.*": SPECIAL,
     "critic.eps_clip": Rename("critic.value_eps_clip"),
     "critic.*": SAME_AS_ACTOR,
-    "teacher.*": Refuse("on-policy distillation (a teacher model)", False),
+    "teacher.path": Rename("teacher.path"),
+    "teacher.rl_loss_weight": Rename("teacher.rl_loss_weight"),
+    "teacher.distill_loss_weight": Rename("teacher.distill_loss_weight"),
+    "teacher.backend": Drop("the teacher is sharded like the actor, in the trainer's ranks"),
+    "teacher.optimizer": Drop("the teacher is frozen"),
+    "teacher.*": SAME_AS_ACTOR,
     # inference servers
     "sglang.context_length": Rename("inference.sglang.context_length"),
     "sglang.mem_fraction_static": Rename("inference.sglang.mem_fraction_static"),
@@ -281,7 +291,6 @@ HINTS: dict[str, str] = {
     "valid_dataset.path": "eval.dataset.path",
     "recover.mode": "recover.freq_steps",
     "actor.weight_update_mode": "actor.weight_update.method",
-    "actor.rejection_sampling": "actor.behav_imp_weight_cap",
     "stats_logger": "logging",
 }
 
@@ -308,7 +317,7 @@ DATASETS: dict[str, KnownDataset] = {
         "",
         {"train": 160800, "test": 8552},
         caveat="its rows are whole conversations (chosen, rejected) with no prompt column; "
-        "areal's rm reads dataset.prompt_key beside them: write a .jsonl whose prompt is the "
+        "areal's rm and dpo read dataset.prompt_key beside them: write a .jsonl whose prompt is the "
         "shared beginning of the two",
     ),  # fmt: skip
 }

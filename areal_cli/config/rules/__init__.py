@@ -41,6 +41,7 @@ from areal_cli.config.rules.paths import check_dataset, check_model
 from areal_cli.config.rules.rl import check_rl
 from areal_cli.config.rules.roles import (
     check_critic,
+    check_dpo,
     check_reward_model,
     check_role_keys,
     check_role_sections,
@@ -105,6 +106,7 @@ def check_config(
             check_critic(c, mode, launch)
     if command != "eval" and c.valid("actor", "algorithm"):
         check_lora(c, mode)
+        check_dpo(c, mode)
     if launch and command in ("train", "eval"):
         check_fileroot(c)
     check_slurm(c)

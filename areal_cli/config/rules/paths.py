@@ -49,6 +49,53 @@ def check_model(c: Checker, launch: bool) -> None:
         _check_tokenizer_fits(c, config_file, tok_dir)
 
 
+def check_teacher(c: Checker, launch: bool) -> None:
+    """teacher.path (on-policy distillation): a builtin or a model folder with the
+    student's vocabulary, since its logprobs score the student's tokens."""
+    from areal_cli.config.model_info import model_config
+
+    t = c.cfg.teacher
+    if not t.path:
+        for key in ("rl_loss_weight", "distill_loss_weight"):
+            if ("teacher", key) in c.loaded.locations:
+                c.warn(
+                    f"teacher.{key}",
+                    "is not read without teacher.path",
+                    "set teacher.path, or remove it",
+                )
+        return
+    if t.rl_loss_weight == 0 and t.distill_loss_weight == 0:
+        c.error(
+            "teacher.distill_loss_weight",
+            "and teacher.rl_loss_weight are both 0, so nothing trains",
+            "raise one of them",
+        )
+    if t.path.startswith("builtin:"):
+        if t.path.split(":", 1)[1] not in BUILTIN_MODELS:
+            c.error(
+                "teacher.path",
+                f"unknown builtin model '{t.path}'",
+                f"use one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}",
+            )
+            return
+    elif _local_or_cached(c, "teacher.path", t.path, launch, "teacher model") is None:
+        return
+    elif not (Path(t.path) / "config.json").is_file():
+        c.error(
+            "teacher.path",
+            f"{t.path} has no config.json, so it is not a Hugging Face model folder",
+            "point it at a checkpoint folder (RUN/checkpoints/step-N)",
+        )
+        return
+    student, teacher = model_config(c.cfg.model.path), model_config(t.path)
+    if student and teacher and student.get("vocab_size") != teacher.get("vocab_size"):
+        c.error(
+            "teacher.path",
+            f"has vocab_size {teacher.get('vocab_size')} but the student ({c.cfg.model.path}) {student.get('vocab_size')}: the teacher must score the student's tokens",
+            "use a teacher with the student's tokenizer",
+        )
+
+
 def _local_or_cached(c: Checker, key: str, value: str, launch: bool, what: str) -> Path | None:
     """A local folder for `value`, or None (after an error, or a warning for hub ids)."""
     if Path(value).exists():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from areal_cli.config.checker import Checker
 from areal_cli.config.recipe_code import agent_problem, spec_problem
 from areal_cli.config.resolve import is_loopback
-from areal_cli.config.rules.paths import check_dataset
+from areal_cli.config.rules.paths import check_dataset, check_teacher
 
 BUILTIN_REWARDS = ("exact_match", "numeric", "math")
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn")
@@ -21,6 +21,8 @@ def check_rl(c: Checker, command: str, launch: bool) -> None:
             c, "rollout.workflow", c.cfg.rollout.workflow, BUILTIN_WORKFLOWS, builtin_prefix=False
         )
         _check_agent(c)
+        if c.valid("teacher", "model.path"):
+            check_teacher(c, launch)
     if (command == "eval" or c.cfg.eval.dataset.path) and c.valid("eval.dataset"):
         check_dataset(
             c, "eval.dataset", c.cfg.eval.dataset.path, launch, required=command == "eval"
@@ -115,9 +117,108 @@ def _check_sapo(c: Checker) -> None:
             "SAPO is not built with the decoupled PPO objective (actor.use_decoupled_loss: true, the default)",
             "set actor.use_decoupled_loss: false",
         )
-    for key in ("eps_clip", "eps_clip_higher", "c_clip", "behav_imp_weight_cap"):
+    for key in ("eps_clip", "eps_clip_higher", "c_clip"):
         if ("actor", key) in c.loaded.locations:
             c.warn(f"actor.{key}", "is not read by SAPO (actor.use_sapo_loss)", "remove it")
+
+
+def _check_decoupled(c: Checker) -> None:
+    """rejection_sampling (or its short form behav_imp_weight_cap) and prox_logp_method
+    belong to the decoupled objective; their bounds must be able to keep a token."""
+    a, loaded = c.cfg.actor, c.loaded.locations
+    given = [
+        k
+        for k in ("behav_imp_weight_cap", "rejection_sampling", "prox_logp_method")
+        if any(p[:2] == ("actor", k) for p in loaded)
+    ]
+    if not a.use_decoupled_loss:
+        for key in given:
+            c.warn(
+                f"actor.{key}",
+                "is only read by the decoupled objective (actor.use_decoupled_loss: false)",
+                "remove it",
+            )
+        return
+    if ("actor", "behav_imp_weight_cap") in loaded:
+        if a.behav_imp_weight_cap is None:
+            c.error(
+                "actor.behav_imp_weight_cap",
+                "null no longer turns the filter off: the default actor.rejection_sampling (ratio above 5.0 dropped) applies",
+                "write actor.rejection_sampling.upper: null to turn it off, or give a cap",
+            )
+        elif "rejection_sampling" in given:
+            c.error(
+                "actor.behav_imp_weight_cap",
+                "is the short form of actor.rejection_sampling, and both are set",
+                "keep one: rejection_sampling.upper is the cap",
+            )
+    _check_prox_method(c)
+    if c.valid("actor.rejection_sampling"):
+        _check_rejection(c, "rejection_sampling" in given)
+
+
+def _check_rejection(c: Checker, full_form: bool) -> None:
+    """The filter's bounds must be able to keep a token; clamp bounds a ratio."""
+    rs = c.cfg.actor.rejection()
+    where = "actor.rejection_sampling" if full_form else "actor.behav_imp_weight_cap"
+    if rs.lower is not None and rs.upper is not None and rs.lower > rs.upper:
+        c.error(
+            f"{where}.lower",
+            f"{rs.lower} is above upper {rs.upper}: every token is out of bounds",
+            "lower it below upper",
+        )
+    if rs.metric == "ratio":
+        if rs.upper is not None and rs.upper <= 1:
+            c.error(
+                where,
+                f"upper {rs.upper} is not above 1, so every token the policy has moved on is dropped",
+                "use an upper bound above 1, e.g. 2.0 or 5.0",
+            )
+        if rs.lower is not None and not 0 < rs.lower < 1:
+            c.error(
+                f"{where}.lower",
+                f"{rs.lower} must lie between 0 and 1 for the ratio",
+                "use e.g. 0.5, or null",
+            )
+    elif rs.action == "clamp":
+        c.error(
+            f"{where}.action",
+            f"clamp bounds the importance ratio, but metric is {rs.metric}",
+            "use metric: ratio with clamp, or action: mask",
+        )
+    mode = c.result.allocation
+    if (
+        rs.level == "sequence"
+        and mode is not None
+        and mode.train is not None
+        and mode.train.context_parallel_size > 1
+    ):
+        c.error(
+            f"{where}.level",
+            "sequence needs each sequence on one rank, but the allocation splits them over context-parallel ranks",
+            f"drop c from '{c.cfg.allocation_mode}', or use level: token",
+        )
+
+
+def _check_prox_method(c: Checker) -> None:
+    """prox_logp_method only matters where a proximal pass would run."""
+    a = c.cfg.actor
+    if (
+        a.prox_logp_method == "loglinear"
+        and c.valid("actor.ppo_n_minibatches")
+        and a.ppo_n_minibatches == 1
+    ):
+        c.warn(
+            "actor.prox_logp_method",
+            "loglinear changes nothing with ppo_n_minibatches 1: the training forward runs on the proximal weights, so areal has their logprobs exactly and free",
+            "remove it, or raise ppo_n_minibatches",
+        )
+    if a.prox_logp_method != "recompute" and a.m2_threshold is not None:
+        c.warn(
+            "actor.prox_logp_method",
+            "M2PO (actor.m2_threshold) filters on the recomputed proximal logprobs, so the proximal pass still runs",
+            "remove m2_threshold to skip the pass",
+        )
 
 
 def _check_rollout(c: Checker) -> None:
@@ -125,6 +226,7 @@ def _check_rollout(c: Checker) -> None:
     _check_rollout_sizes(c)
     _check_sequence_ratio(c)
     _check_sapo(c)
+    _check_decoupled(c)
     _check_norms(c)
     _check_overlong(c)
     _check_dynamic_sampling(c)

@@ -48,6 +48,26 @@ def check_reward_model(c: Checker, mode: AllocationMode | None) -> None:
         )
 
 
+def check_dpo(c: Checker, mode: AllocationMode | None) -> None:
+    """algorithm: dpo sums each answer's logprobs on one rank, so c > 1 is refused; its
+    two actor keys do nothing under another algorithm."""
+    if c.cfg.algorithm != "dpo":
+        for key in ("beta", "loss_type"):
+            if ("actor", key) in c.loaded.locations:
+                c.warn(
+                    f"actor.{key}",
+                    f"is read by algorithm: dpo only, not {c.cfg.algorithm}",
+                    "remove it",
+                )
+        return
+    if mode is not None and mode.train is not None and mode.train.context_parallel_size > 1:
+        c.error(
+            "allocation_mode",
+            "algorithm: dpo does not support context parallelism (c > 1) yet",
+            f"drop c from '{c.cfg.allocation_mode}'; use d or t",
+        )
+
+
 def check_critic(c: Checker, mode: AllocationMode | None, launch: bool) -> None:
     """algorithm: ppo: group advantages are not read (GAE replaces them), the critic's
     starting model must exist for a run, and context parallelism is refused (GAE reads
