@@ -81,12 +81,29 @@ def trained_params(cfg: ExperimentConfig, config: dict) -> int:
     return param_count(config)
 
 
+def frozen_models(cfg: ExperimentConfig, config: dict) -> dict[str, int]:
+    """The frozen models the trainer ranks hold beside the actor, and their parameters:
+    the reference (DPO, or actor.kl_ctl > 0) and the distillation teacher (when its
+    config.json is on this machine)."""
+    from areal_cli.config.model_info import model_config
+
+    out = {}
+    rl = cfg.algorithm in ("grpo", "ppo")
+    if cfg.algorithm == "dpo" or (rl and cfg.actor.kl_ctl > 0):
+        out["reference"] = param_count(config)
+    teacher = model_config(cfg.teacher.path) if rl and cfg.teacher.path else None
+    if teacher and "num_attention_heads" in teacher:
+        out["teacher"] = param_count(teacher)
+    return out
+
+
 def trainer_state_bytes(cfg: ExperimentConfig, config: dict, world_size: int) -> int:
     """One trainer rank's parameters, gradients and optimizer state (float32 Adam moments)
-    under FSDP2 over `world_size` ranks (tensor parallelism splits each shard further)."""
+    under FSDP2 over `world_size` ranks (tensor parallelism splits each shard further),
+    with the frozen models' parameters, sharded alike."""
     train_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
     optimizer = 8 if cfg.actor.optimizer.type == "adamw" else 0  # two float32 moments
-    params = param_count(config)
+    params = param_count(config) + sum(frozen_models(cfg, config).values())
     if cfg.actor.use_lora:
         params += trained_params(cfg, config)  # the adapters sit beside the frozen base
     total = params * train_bytes + trained_params(cfg, config) * (train_bytes + optimizer)
@@ -104,6 +121,9 @@ def trainer_line(cfg: ExperimentConfig, config: dict, world_size: int) -> str:
         )
     else:
         what = f"gradients and optimizer state for all {n / 1e6:.1f}M parameters"
+    frozen = frozen_models(cfg, config)
+    if frozen:
+        what += "; frozen " + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in frozen.items())
     return f"trainer state per rank: {state} ({what}; activations on top)"
 
 

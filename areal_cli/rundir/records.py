@@ -44,6 +44,7 @@ RL_FIGURES = (
     "m2_drop_frac",  # actor.m2_threshold (M2PO)
     "rejected_frac",  # actor.rejection_sampling, action mask
     "clamped_frac",  # actor.rejection_sampling, action clamp
+    "behave_approx_kl",  # mean log(prox / behav) over the tokens it kept
     "prox_loglinear_abs_err",  # actor.prox_logp_method: metrics
     "prox_linear_abs_err",
     "prox_rollout_abs_err",

@@ -37,7 +37,7 @@ from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.parallelize import build_sharded_model
-from areal_cli.trainer.rm import Pairs, load_pairs
+from areal_cli.trainer.rm import PairRole, Pairs, load_pairs
 from areal_cli.trainer.sft import step_indices
 from areal_cli.trainer.state import Beat, TrainerState
 from areal_cli.trainer.step import (
@@ -45,10 +45,9 @@ from areal_cli.trainer.step import (
     agree_on_plans,
     empty_forward,
     forward_logprobs,
-    optimizer_step,
     split_range,
 )
-from areal_cli.trainer.supervised import SupervisedRole
+from areal_cli.trainer.supervised import update
 
 _SUMS = (
     "loss", "correct", "logp_correct", "pairs", "margin", "chosen_reward", "rejected_reward",
@@ -148,7 +147,7 @@ def _pair_pass(
 
 
 @dataclass
-class DPORole(SupervisedRole):
+class DPORole(PairRole):
     """algorithm: dpo, as the trainer's loop drives it (state.Role)."""
 
     train: Pairs
@@ -182,20 +181,7 @@ class DPORole(SupervisedRole):
         out = _pair_pass(
             a.model, self.ref_model, self.train, index, cfg, state.layout, beat, train=True
         )
-        beat("optimizer step")
-        out["grad_norm"] = optimizer_step(
-            a.model, a.optimizer, cfg.actor.optimizer.gradient_clipping
-        )
-        a.scheduler.step()
-        out["lr"] = a.optimizer.param_groups[0]["lr"]
-        return out
-
-    @property
-    def has_eval(self) -> bool:
-        return self.held_out is not None
-
-    def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
-        return supervised_eval(cfg)[1]
+        return update(state, out, beat)
 
     @torch.no_grad()
     def evaluate(self, state: TrainerState, beat: Beat) -> dict[str, float]:

@@ -42,10 +42,9 @@ from areal_cli.trainer.step import (
     Stats,
     agree_on_plans,
     empty_forward,
-    optimizer_step,
     split_range,
 )
-from areal_cli.trainer.supervised import SupervisedRole
+from areal_cli.trainer.supervised import SupervisedRole, update
 
 
 @dataclass(frozen=True)
@@ -157,8 +156,22 @@ def _pair_pass(
     }
 
 
+class PairRole(SupervisedRole):
+    """A role that trains on preference pairs (rm, dpo): held-out pairs, when given, are
+    evaluated every ROLE.eval_freq_steps."""
+
+    held_out: Pairs | None
+
+    @property
+    def has_eval(self) -> bool:
+        return self.held_out is not None
+
+    def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
+        return supervised_eval(cfg)[1]
+
+
 @dataclass
-class RewardModelRole(SupervisedRole):
+class RewardModelRole(PairRole):
     """algorithm: rm, as the trainer's loop drives it (state.Role)."""
 
     train: Pairs
@@ -195,19 +208,7 @@ class RewardModelRole(SupervisedRole):
             len(self.train), cfg.rm.batch_size, step, cfg.dataset.seed, cfg.dataset.shuffle
         )
         out = _pair_pass(a.model, self.train, index, len(index), cfg, layout, beat, train=True)
-        beat("optimizer step")
-        clip = cfg.actor.optimizer.gradient_clipping
-        out["grad_norm"] = optimizer_step(a.model, a.optimizer, clip)
-        a.scheduler.step()
-        out["lr"] = a.optimizer.param_groups[0]["lr"]
-        return out
-
-    @property
-    def has_eval(self) -> bool:
-        return self.held_out is not None
-
-    def eval_freq_steps(self, cfg: ExperimentConfig) -> int:
-        return supervised_eval(cfg)[1]
+        return update(state, out, beat)
 
     @torch.no_grad()
     def evaluate(self, state: TrainerState, beat: Beat) -> dict[str, float]:

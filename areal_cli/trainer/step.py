@@ -287,7 +287,7 @@ def _stat_keys(
     if cfg.c_clip is not None:
         sums.append("dual_clip_frac_sum")
     if cfg.use_decoupled_loss and not cfg.use_sapo_loss:
-        sums += ["imp_weight_sum", "imp_weight_dropped", "imp_weight_clamped"]
+        sums += ["imp_weight_sum", "imp_weight_dropped", "imp_weight_clamped", "behave_kl_sum"]
         maxes.append("imp_weight_max")
         if cfg.prox_logp_method == "metrics":
             sums += [f"prox_{name}_abs_err" for name in PROX_APPROXIMATIONS]
@@ -714,6 +714,8 @@ def _record(stats: Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
         stats.max("imp_weight_max", lstats["imp_weight_max"])
         stats.add("imp_weight_dropped", lstats["imp_weight_drop_frac"] * n_tok)
         stats.add("imp_weight_clamped", lstats["imp_weight_clamp_frac"] * n_tok)
+        kept = n_tok * (1.0 - float(lstats["imp_weight_drop_frac"]))
+        stats.add("behave_kl_sum", lstats["behave_approx_kl"] * kept)
     stats.add("behav_logprob_sum", (t["logprobs"] * mask).sum())
 
 
@@ -795,8 +797,12 @@ def _finish_stats(out, grad_norms, batch, world, n_minibatches, optimizer) -> di
         result["imp_weight_mean"] = out.pop("imp_weight_sum") / loss_tokens
         result["imp_weight_max"] = out.pop("imp_weight_max")
         # actor.rejection_sampling: the shares of trained tokens it dropped or clamped
-        result["rejected_frac"] = out.pop("imp_weight_dropped") / loss_tokens
+        dropped = out.pop("imp_weight_dropped")
+        result["rejected_frac"] = dropped / loss_tokens
         result["clamped_frac"] = out.pop("imp_weight_clamped") / loss_tokens
+        kept = max(loss_tokens - dropped, 1.0)
+        # AReaL's behave_approx_kl: the mean of log(prox / behav) over the kept tokens
+        result["behave_approx_kl"] = out.pop("behave_kl_sum") / kept
     if "prox_compared" in out:  # prox_logp_method: metrics, over the recomputed tokens
         compared = max(out.pop("prox_compared"), 1.0)
         for name in PROX_APPROXIMATIONS:

@@ -10,6 +10,20 @@ from typing import Any
 
 from areal_cli.rundir.records import TrainerStep
 from areal_cli.trainer.state import Beat, Trainable, TrainerState, memory_mb, print0
+from areal_cli.trainer.step import optimizer_step
+
+
+def update(state: TrainerState, out: dict[str, float], beat: Beat) -> dict[str, float]:
+    """The optimizer step after a supervised step's gradients; `out` gains grad_norm and
+    lr (collective)."""
+    a = state.actor
+    beat("optimizer step")
+    out["grad_norm"] = optimizer_step(
+        a.model, a.optimizer, state.cfg.actor.optimizer.gradient_clipping
+    )
+    a.scheduler.step()
+    out["lr"] = a.optimizer.param_groups[0]["lr"]
+    return out
 
 
 def eval_line(metrics: dict[str, float]) -> str:

@@ -72,6 +72,23 @@ def test_one_rank_equals_two_ranks_two_microbatches(tmp_path: Path, model_dir: P
         assert _max_diff(_weights(runs["single"], version), _weights(runs["split"], version)) < 1e-5
 
 
+def _two_steps_at(
+    tmp_path: Path, model_dir: Path, batches: Path, keys: dict, layouts: tuple
+) -> dict[str, Path]:
+    """Two steps on `batches` with recipe `keys` at each (name, ranks, micro-batches) of
+    `layouts`; the run directories by name."""
+    runs = {}
+    for name, nproc, n_mbs in layouts:
+        fileroot = tmp_path / name
+        cfg = write_config(
+            tmp_path / f"{name}.yaml", model_dir, fileroot, total_train_steps=2,
+            **{**keys, "actor.mb_spec.n_mbs": n_mbs},
+        )  # fmt: skip
+        torchrun(nproc, cfg, "--batches", str(batches))
+        runs[name] = fileroot / "gloo" / "t"
+    return runs
+
+
 def test_sapo_and_m2po_take_the_same_step_on_one_and_two_ranks(
     tmp_path: Path, model_dir: Path
 ) -> None:
@@ -81,15 +98,7 @@ def test_sapo_and_m2po_take_the_same_step_on_one_and_two_ranks(
     batches = make_batches(tmp_path / "batches", 2)
     keys = {"actor.use_sapo_loss": True, "actor.use_decoupled_loss": False}
     keys["actor.m2_threshold"] = 1.0  # random behaviour logprobs: m2 averages several
-    runs = {}
-    for name, nproc, n_mbs in (("d1", 1, 1), ("d2", 2, 2)):
-        fileroot = tmp_path / name
-        cfg = write_config(
-            tmp_path / f"{name}.yaml", model_dir, fileroot, total_train_steps=2,
-            **{**keys, "actor.mb_spec.n_mbs": n_mbs},
-        )  # fmt: skip
-        torchrun(nproc, cfg, "--batches", str(batches))
-        runs[name] = fileroot / "gloo" / "t"
+    runs = _two_steps_at(tmp_path, model_dir, batches, keys, (("d1", 1, 1), ("d2", 2, 2)))
     one, two = _metrics(runs["d1"]), _metrics(runs["d2"])
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
@@ -112,15 +121,8 @@ def test_distillation_rejection_and_loglinear_take_the_same_step_on_one_two_and_
         "actor.prox_logp_method": "loglinear", "actor.rejection_sampling.level": "sequence",
         "actor.rejection_sampling.upper": 1.5,
     }  # fmt: skip
-    runs = {}
-    for name, nproc, n_mbs in (("d1", 1, 1), ("d2", 2, 2), ("d3", 3, 2)):
-        fileroot = tmp_path / name
-        cfg = write_config(
-            tmp_path / f"{name}.yaml", model_dir, fileroot, total_train_steps=2,
-            **{**keys, "actor.mb_spec.n_mbs": n_mbs},
-        )  # fmt: skip
-        torchrun(nproc, cfg, "--batches", str(batches))
-        runs[name] = fileroot / "gloo" / "t"
+    layouts = (("d1", 1, 1), ("d2", 2, 2), ("d3", 3, 2))
+    runs = _two_steps_at(tmp_path, model_dir, batches, keys, layouts)
     one = _metrics(runs["d1"])
     assert all(r["distill_kl"] != 0 for r in one)
     for name in ("d2", "d3"):

@@ -63,10 +63,24 @@ def test_an_explicit_null_cap_says_how_to_turn_the_filter_off(tmp_path: Path) ->
     text = (REPO / "recipes" / "tiny_cpu.yaml").read_text()
     start = text.index("  rejection_sampling:")
     end = text.index("  loss_agg_mode")
-    recipe.write_text(
-        text[:start]
-        + "  behav_imp_weight_cap: null\n"
-        + text[end:]
-    )
+    recipe.write_text(text[:start] + "  behav_imp_weight_cap: null\n" + text[end:])
     done = areal_in_process("validate", str(recipe))
     assert done.returncode == 2 and "write actor.rejection_sampling.upper: null" in done.stderr
+
+
+def test_the_dry_run_counts_the_frozen_models() -> None:
+    from areal_cli.config.model_info import BUILTIN_ARCHITECTURES
+    from areal_cli.config.phase_memory import frozen_models, param_count
+    from areal_cli.config.schema import ExperimentConfig
+
+    tiny = BUILTIN_ARCHITECTURES["tiny"]
+    cfg = ExperimentConfig()
+    assert frozen_models(cfg, tiny) == {}
+    cfg.actor.kl_ctl = 0.1
+    cfg.teacher.path = "builtin:small"
+    assert frozen_models(cfg, tiny) == {
+        "reference": param_count(tiny),
+        "teacher": param_count(BUILTIN_ARCHITECTURES["small"]),
+    }
+    cfg.algorithm = "dpo"  # a reference, and no teacher outside RL
+    assert frozen_models(cfg, tiny) == {"reference": param_count(tiny)}

@@ -79,7 +79,9 @@ def test_dry_run_prints_plan_and_writes_nothing(recipe: str, tmp_path: Path) -> 
     servers = ("sglang.launch_server" in result.stdout) or (
         "areal_cli.inference.server" in result.stdout
     )
-    supervised = re.search(r"algorithm (sft|rm|dpo): no inference server", result.stdout) is not None
+    supervised = (
+        re.search(r"algorithm (sft|rm|dpo): no inference server", result.stdout) is not None
+    )
     assert servers != supervised  # an RL recipe plans servers; an SFT or RM recipe plans none
     assert not (tmp_path / "runs").exists()
     assert snapshot(REPO) == before
