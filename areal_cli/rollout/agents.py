@@ -5,7 +5,8 @@ The contract, close to AReaL's so that its agents move over:
   - `Name` is a class with `async def run(self, data, **kwargs)` (made once per episode,
     with no arguments) or a plain `async def Name(data, **kwargs)`;
   - `data` is the dataset row as read, a dict of its columns;
-  - `kwargs` holds `base_url` (the episode's own address at the proxy), `api_key` and
+  - `kwargs` holds `base_url` (the episode's own address at the proxy, ending in /v1;
+    an Anthropic SDK client takes it without that /v1, as it appends /v1/messages), `api_key` and
     `http_client` (the openai SDK's own async HTTP client, for
     `openai.AsyncOpenAI(http_client=...)`; closed when the episode ends);
   - it returns a float, the episode's reward, or a dict of completion id (the `id` of a

@@ -6,6 +6,13 @@ address, `http://HOST:PORT/e/<episode id>/v1`, and calls the API as it would cal
 provider. Routes (also under `/v1/...` with the episode in an `X-Areal-Episode` header):
   POST /chat/completions   messages, tools, tool_choice, stream, and the sampling fields
   POST /completions        prompt (text or token ids)
+  POST /responses          OpenAI's Responses API (areal_cli.data.responses): input items,
+                           instructions, function tools and calls, previous_response_id
+                           (within the episode), stream
+  POST /messages           Anthropic's Messages API (areal_cli.data.messages): system,
+                           text, tool_use and tool_result blocks, tools, stop_sequences,
+                           stream; the Anthropic SDK's base_url is the episode's address
+                           without its /v1
   GET  /models             the served model (any `model` name is accepted in requests)
 
 For each request the proxy renders the chat template once (areal_cli.data.chat), sends
@@ -24,7 +31,8 @@ store, ...) are accepted; ones the proxy cannot honour (n > 1, logit_bias, a JSO
 response_format) get a 400 that names them.
 
 Security: the proxy binds loopback unless told otherwise (`rollout.proxy.host`); bound
-elsewhere it needs the run's API key as a Bearer token on every route.
+elsewhere it needs the run's API key on every route, as a Bearer token (OpenAI's SDK) or
+an x-api-key header (Anthropic's).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
+from areal_cli.data import responses
 from areal_cli.data.chat import (
     ChatRequestError,
     chat_chunks,
@@ -47,6 +56,9 @@ from areal_cli.data.chat import (
     parse_chat_reply,
     send_sse,
 )
+from areal_cli.data.messages import IGNORED as MESSAGES_IGNORED
+from areal_cli.data.messages import OWN as MESSAGES_OWN
+from areal_cli.data.messages import message_answer, message_events, send_events, to_chat
 from areal_cli.data.requests import check_request, check_room
 from areal_cli.rollout.workflows import token_versions
 
@@ -83,6 +95,7 @@ class Completion:
     versions: list[int]
     finish_reason: str  # OpenAI's: stop, length, tool_calls (or SGLang's abort)
     text: str
+    stop_sequence: str | None = None  # the request's stop string that ended it
 
 
 @dataclass
@@ -93,6 +106,8 @@ class Episode:
     seed: int
     completions: list[Completion] = field(default_factory=list)
     closed: bool = False
+    # Responses API: each response's whole conversation, its output included, by id
+    conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def next_seed(self) -> int:
         self.seed += 1
@@ -136,6 +151,8 @@ class AgentProxy:
         for prefix in ("/e/{episode}/v1", "/v1"):
             app.router.add_post(prefix + "/chat/completions", self._chat)
             app.router.add_post(prefix + "/completions", self._completions)
+            app.router.add_post(prefix + "/messages", self._messages)
+            app.router.add_post(prefix + "/responses", self._responses)
             app.router.add_get(prefix + "/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -173,7 +190,8 @@ class AgentProxy:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         key = self.settings.api_key
-        if key and request.headers.get("Authorization") != f"Bearer {key}":
+        given = (request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        if key and given[0] != f"Bearer {key}" and given[1] != key:
             return _error(401, "a valid API key is needed (Authorization: Bearer KEY)")
         try:
             return await handler(request)
@@ -217,6 +235,69 @@ class AgentProxy:
             return await send_sse(request, chat_chunks(answer))
         return web.json_response(answer)
 
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API over the same completion record as chat."""
+        episode, body = await self._request(request, MESSAGES_OWN, MESSAGES_IGNORED)
+        messages, tools, choice = to_chat(body)
+        if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
+            raise ProxyRequestError("max_tokens (a positive integer) is required")
+        prompt = chat_prompt_ids(self.tokenizer, messages, tools)
+        sampling = {
+            k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body
+        }
+        sampling["stop"] = body.get("stop_sequences")
+        done = await self._complete(episode, prompt, sampling)
+        reply = parse_chat_reply(
+            done.text, {"tools": tools, "tool_choice": choice}, self.settings.tool_parser
+        )
+        done.finish_reason = openai_finish(done.finish_reason, reply)
+        answer = message_answer(
+            reply, done.finish_reason, done.stop_sequence,
+            (len(done.prompt_ids), len(done.output_ids)), self.settings.served_model,
+            done.id,
+        )  # fmt: skip
+        if body.get("stream"):
+            return await send_events(request, message_events(answer))
+        return web.json_response(answer)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API over the same completion record as chat; the episode
+        keeps each response's conversation for previous_response_id."""
+        episode, body = await self._request(request, responses.OWN, responses.IGNORED)
+        history: list[dict[str, Any]] = []
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if previous not in episode.conversations:
+                raise ProxyRequestError(
+                    f"previous_response_id {previous!r} is no response of this episode"
+                )
+            history = list(episode.conversations[previous])
+        turns = responses.input_messages(body)
+        system = (
+            [{"role": "system", "content": body["instructions"]}]
+            if body.get("instructions")
+            else []
+        )
+        tools = responses.chat_tools(body.get("tools"))
+        choice = responses.chat_tool_choice(body.get("tool_choice"))
+        prompt = chat_prompt_ids(self.tokenizer, system + history + turns, tools)
+        sampling = {"max_tokens": body.get("max_output_tokens")}
+        sampling.update({k: body[k] for k in ("temperature", "top_p") if k in body})
+        done = await self._complete(episode, prompt, sampling)
+        done.id = f"resp_{uuid.uuid4().hex}"
+        reply = parse_chat_reply(
+            done.text, {"tools": tools, "tool_choice": choice}, self.settings.tool_parser
+        )
+        done.finish_reason = openai_finish(done.finish_reason, reply)
+        episode.conversations[done.id] = history + turns + [responses.as_chat_message(reply)]
+        answer = responses.response_answer(
+            body, done.id, responses.output_items(reply), done.finish_reason,
+            (len(done.prompt_ids), len(done.output_ids)), self.settings.served_model,
+        )  # fmt: skip
+        if body.get("stream"):
+            return await send_events(request, responses.response_events(answer))
+        return web.json_response(answer)
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         episode, body = await self._request(request, frozenset({"prompt"}))
         prompt = body.get("prompt")
@@ -240,7 +321,7 @@ class AgentProxy:
     # ------------------------------------------------------------------ the work
 
     async def _request(
-        self, request: web.Request, own: frozenset[str]
+        self, request: web.Request, own: frozenset[str], ignored: frozenset[str] | None = None
     ) -> tuple[Episode, dict[str, Any]]:
         eid = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER, "")
         episode = self._episodes.get(eid)
@@ -255,6 +336,13 @@ class AgentProxy:
             raise ProxyRequestError("the body is not JSON") from None
         if not isinstance(body, dict):
             raise ProxyRequestError("the body must be a JSON object")
+        if ignored is not None:  # the Messages API: its own fields only
+            for key in body:
+                if key not in own and key not in ignored:
+                    raise ProxyRequestError(
+                        f"'{key}' is not supported by areal's agent proxy; leave it out"
+                    )
+            return episode, body
         _refuse(body, own)
         check_request(body, "chat" if "messages" in own else "completions")
         return episode, body
@@ -291,29 +379,30 @@ class AgentProxy:
         versions = token_versions(meta, len(ids))
         finish = openai_finish((meta.get("finish_reason") or {}).get("type", ""))
         text = answer.get("text", "")
-        stops = _stops(body.get("stop"))
+        stops, hit = _stops(body.get("stop")), None
         if stops:
-            ids, text, finish = self._cut_at_stop(ids, text, stops, finish)
+            ids, text, finish, hit = self._cut_at_stop(ids, text, stops, finish)
             logprobs, versions = logprobs[: len(ids)], versions[: len(ids)]
         done = Completion(
-            f"chatcmpl-{uuid.uuid4().hex}", list(prompt), ids, logprobs, versions, finish, text
-        )
+            f"chatcmpl-{uuid.uuid4().hex}", list(prompt), ids, logprobs, versions, finish, text,
+            hit,
+        )  # fmt: skip
         episode.completions.append(done)
         return done
 
     def _cut_at_stop(
         self, ids: list[int], text: str, stops: list[str], finish: str
-    ) -> tuple[list[int], str, str]:
-        """The reply up to the first stop string (excluded from the text), and the fewest
-        tokens whose text holds it."""
+    ) -> tuple[list[int], str, str, str | None]:
+        """The reply up to the first stop string (excluded from the text), the fewest
+        tokens whose text holds it, and the stop string (None: none occurred)."""
         at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if at < 0:
-            return ids, text, finish
+            return ids, text, finish, None
         hit = next(s for s in stops if text.find(s) == at)
         for n in range(1, len(ids) + 1):
             if hit in self.tokenizer.decode(ids[:n], skip_special_tokens=True):
-                return ids[:n], text[:at], "stop"
-        return ids, text[:at], "stop"
+                return ids[:n], text[:at], "stop", hit
+        return ids, text[:at], "stop", hit
 
     # ------------------------------------------------------------------ answers
 

@@ -249,10 +249,13 @@ async def _arith_agent(data: dict, **kwargs: Any) -> float:
     return float((reply.choices[0].message.content or "").strip() == data["answer"])
 
 
-def test_trained_tokens_are_the_servers_and_logprobs_agree(server: Server, parrot: Path):
-    """100 completions through agents: the batch the trainer reads holds exactly the ids
-    the server returned, and a forward of the served weights gives their logprobs."""
+def served_and_trained(server: Server, parrot: Path, agent: Any, route: str) -> float:
+    """100 episodes of `agent` (one completion each) through the proxy: asserts that the
+    batch the trainer reads holds exactly the ids the server returned; returns the
+    largest |server logprob - a transformers forward of the served weights|."""
     from transformers import AutoModelForCausalLM
+
+    from areal_cli.config.schema import GenerationHyperparameters
 
     async def body(proxy: AgentProxy, client: InferenceClient) -> tuple[list, Any]:
         seen = []
@@ -264,9 +267,7 @@ def test_trained_tokens_are_the_servers_and_logprobs_agree(server: Server, parro
             return answer
 
         proxy._generate = recording
-        runner = AgentRunner(proxy, lambda: _arith_agent, "individual")
-        from areal_cli.config.schema import GenerationHyperparameters
-
+        runner = AgentRunner(proxy, lambda: agent, "individual")
         episodes = []
         for i in range(100):
             ep = EpisodeClient(client, None, GenerationHyperparameters(), None, seed=i)
@@ -290,8 +291,14 @@ def test_trained_tokens_are_the_servers_and_logprobs_agree(server: Server, parro
             logits = model(seq["input_ids"][None]).logits[0, :-1].float()
         logp = logits.log_softmax(-1).gather(1, seq["input_ids"][1:, None])[:, 0]
         worst = max(worst, (logp[mask[1:]] - seq["logprobs"][mask]).abs().max().item())
-    print(f"100 completions: max |server - recomputed| logprob {worst:.2e}")
-    assert worst < 1e-4
+    print(f"100 completions through {route}: max |server - recomputed| logprob {worst:.2e}")
+    return worst
+
+
+def test_trained_tokens_are_the_servers_and_logprobs_agree(server: Server, parrot: Path):
+    """100 completions through chat agents: the batch the trainer reads holds exactly the
+    ids the server returned, and a forward of the served weights gives their logprobs."""
+    assert served_and_trained(server, parrot, _arith_agent, "/v1/chat/completions") < 1e-4
 
 
 def test_the_embedded_servers_own_chat_route_parses_tool_calls(server: Server) -> None:
