@@ -265,14 +265,24 @@ def chat_chunks(envelope: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 async def send_sse(request: Any, chunks: list[dict[str, Any]]) -> Any:
-    """Send `chunks` to an aiohttp `request` as server-sent events, as OpenAI streams
-    them (`data: {...}` each, then `data: [DONE]`); returns the response."""
+    """Send `chunks` to an aiohttp `request` as server-sent events, as OpenAI's chat and
+    completions stream them (`data: {...}` each, then `data: [DONE]`); the response."""
+    frames = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
+    return await _stream(request, frames + ["data: [DONE]\n\n"])
+
+
+async def send_events(request: Any, events: list[tuple[str, dict[str, Any]]]) -> Any:
+    """Send named `events` as the Responses and Messages APIs stream them (`event: NAME`
+    and `data: {...}` each, no end marker); the response."""
+    return await _stream(request, [f"event: {n}\ndata: {json.dumps(d)}\n\n" for n, d in events])
+
+
+async def _stream(request: Any, frames: list[str]) -> Any:
     from aiohttp import web
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    for chunk in chunks:
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
+    for frame in frames:
+        await response.write(frame.encode())
     await response.write_eof()
     return response

@@ -225,16 +225,3 @@ def message_events(answer: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]
     events.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
     events.append(("message_stop", {"type": "message_stop"}))
     return events
-
-
-async def send_events(request: Any, events: list[tuple[str, dict[str, Any]]]) -> Any:
-    """Send `events` to an aiohttp `request` as the Messages API streams them
-    (`event: NAME` and `data: {...}` each); returns the response."""
-    from aiohttp import web
-
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    for name, data in events:
-        await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-    await response.write_eof()
-    return response

@@ -54,11 +54,12 @@ from areal_cli.data.chat import (
     chat_prompt_ids,
     openai_finish,
     parse_chat_reply,
+    send_events,
     send_sse,
 )
 from areal_cli.data.messages import IGNORED as MESSAGES_IGNORED
 from areal_cli.data.messages import OWN as MESSAGES_OWN
-from areal_cli.data.messages import message_answer, message_events, send_events, to_chat
+from areal_cli.data.messages import message_answer, message_events, to_chat
 from areal_cli.data.requests import check_request, check_room
 from areal_cli.rollout.workflows import token_versions
 
@@ -336,15 +337,10 @@ class AgentProxy:
             raise ProxyRequestError("the body is not JSON") from None
         if not isinstance(body, dict):
             raise ProxyRequestError("the body must be a JSON object")
-        if ignored is not None:  # the Messages API: its own fields only
-            for key in body:
-                if key not in own and key not in ignored:
-                    raise ProxyRequestError(
-                        f"'{key}' is not supported by areal's agent proxy; leave it out"
-                    )
-            return episode, body
-        _refuse(body, own)
-        check_request(body, "chat" if "messages" in own else "completions")
+        allowed = own | (_IGNORED | _SAMPLING if ignored is None else ignored)
+        _refuse(body, allowed)
+        if ignored is None:  # an OpenAI chat or completions body
+            check_request(body, "chat" if "messages" in own else "completions")
         return episode, body
 
     def _sampling(self, episode: Episode, body: Mapping[str, Any], n_prompt: int) -> dict:
@@ -422,9 +418,11 @@ class AgentProxy:
         }
 
 
-def _refuse(body: Mapping[str, Any], own: frozenset[str]) -> None:
+def _refuse(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """A 400 for a field the route neither reads nor may ignore (not in `allowed`), and
+    for the values the proxy cannot honour."""
     for key in body:
-        if key not in _IGNORED and key not in _SAMPLING and key not in own:
+        if key not in allowed:
             raise ProxyRequestError(
                 f"'{key}' is not supported by areal's agent proxy; leave it out"
             )

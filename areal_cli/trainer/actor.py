@@ -58,9 +58,9 @@ def wait_for_entry(
             watcher.close()
 
 
-def _frozen(model_dir: Path, state: TrainerState) -> nn.Module:
-    """A frozen model sharded like the actor: the reference, or the distillation teacher
-    (collective)."""
+def frozen_model(model_dir: Path, state: TrainerState) -> nn.Module:
+    """A frozen model sharded like the actor: a reference (RL under kl_ctl, DPO) or the
+    distillation teacher (collective)."""
     cfg = state.cfg
     model = build_sharded_model(model_dir, state.mesh, cfg.actor.fsdp, dtype=cfg.model.dtype)
     model.eval().requires_grad_(False)
@@ -81,11 +81,11 @@ class ActorRole:
     def build(cls, state: TrainerState, batches: Path | None = None) -> ActorRole:
         """The reference model and the PPO critic, on the actor's mesh (collective)."""
         cfg, model_dir = state.cfg, state.actor.model_dir
-        ref_model = _frozen(model_dir, state) if cfg.actor.kl_ctl > 0 else None
+        ref_model = frozen_model(model_dir, state) if cfg.actor.kl_ctl > 0 else None
         teacher = None
         if cfg.teacher.path:
             state.beat.phase("build teacher")
-            model = _frozen(Path(teacher_model_path(cfg, state.run.root)), state)
+            model = frozen_model(Path(teacher_model_path(cfg, state.run.root)), state)
             t = cfg.teacher
             teacher = Teacher(model, t.rl_loss_weight, t.distill_loss_weight)
         critic = None

@@ -35,8 +35,8 @@ from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import losses
+from areal_cli.trainer.actor import frozen_model
 from areal_cli.trainer.layout import StepLayout
-from areal_cli.trainer.parallelize import build_sharded_model
 from areal_cli.trainer.rm import PairRole, Pairs, load_pairs
 from areal_cli.trainer.sft import step_indices
 from areal_cli.trainer.state import Beat, TrainerState
@@ -160,11 +160,7 @@ class DPORole(PairRole):
         state.beat.phase("tokenize dataset")
         train, held_out = _load(state.cfg, state.actor.model_dir)
         state.beat.phase("build reference model")
-        ref = build_sharded_model(
-            state.actor.model_dir, state.mesh, state.cfg.actor.fsdp, dtype=state.cfg.model.dtype
-        ).eval()
-        ref.requires_grad_(False)
-        return cls(train, held_out, ref)
+        return cls(train, held_out, frozen_model(state.actor.model_dir, state))
 
     def describe(self) -> str:
         return (

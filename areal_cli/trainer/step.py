@@ -396,9 +396,9 @@ def train_step(
     `critic` (a `ValueModel`), advantages are per token by GAE, and the critic takes its
     own optimizer step after the actor's in every minibatch. `policy_version` is the
     version of the model's weights now: when every generated token of the batch came from
-    it, the proximal policy is the behaviour policy. With a `teacher` (frozen, same
-    sharding; cfg is then the run's, see `distill`), the loss adds the student's reverse
-    KL to it (on-policy distillation, `losses.reverse_kl_loss`).
+    it, the proximal policy is the behaviour policy. With a `teacher` (its frozen
+    model, sharded like the actor, and the loss weights), the loss adds the student's
+    reverse KL to it (on-policy distillation, `losses.reverse_kl_loss`).
 
     The proximal policy of decoupled PPO is the model as the step starts. With one
     minibatch, the step's own training forward runs on exactly those weights (nothing is

@@ -1,6 +1,6 @@
 """The agent proxy in front of a real embedded server, driven by the real `openai` SDK.
 
-The server runs a "parrot": the tiny model fine-tuned here, in a few seconds, to answer
+The server runs the "parrot" (tests/inference/parrot.py): the tiny model fine-tuned to answer
 three fixed conversations with fixed replies under greedy decoding (a well-formed tool
 call, a malformed one, and plain text). So a tools request meets a reply that a model
 really generated, not one the test wrote into the answer.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,74 +17,23 @@ import openai
 import pytest
 import torch
 
-from areal_cli.data.chat import chat_prompt_ids
 from areal_cli.inference.client import InferenceClient
 from areal_cli.rollout.agents import AgentRunner
 from areal_cli.rollout.batch import _pack
 from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.state import Group
 from areal_cli.rollout.workflows import EpisodeClient
-from tests.inference.test_server import Server, serve
+from tests.inference.parrot import (
+    ASK_BROKEN,
+    ASK_TEXT,
+    ASK_TOOL,
+    BROKEN_REPLY,
+    CALC,
+    TEXT_REPLY,
+)
+from tests.inference.test_server import Server
 
 pytestmark = pytest.mark.slow
-
-CALC = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two numbers",
-        "parameters": {"type": "object", "properties": {"a": {}, "b": {}}},
-    },
-}
-ASK_TOOL = [{"role": "user", "content": "What is 12+34?"}]
-ASK_BROKEN = [{"role": "user", "content": "What is 5+6?"}]
-ASK_TEXT = [{"role": "user", "content": "hello"}]
-TOOL_REPLY = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>'
-BROKEN_REPLY = '<tool_call>{"name": "add", "arguments": {"a": 5</tool_call>'
-TEXT_REPLY = "hi there friend"
-
-
-def _teach(model_dir: Path, out: Path) -> Path:
-    """The tiny model, trained until greedy decoding gives each reply to its prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    pairs = [(ASK_TOOL, TOOL_REPLY), (ASK_BROKEN, BROKEN_REPLY), (ASK_TEXT, TEXT_REPLY)]
-    examples = []
-    for messages, reply in pairs:
-        prompt = chat_prompt_ids(tok, messages, [CALC])
-        target = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
-        examples.append((prompt, target))
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = 0.0
-        for prompt, target in examples:
-            ids = torch.tensor([prompt + target])
-            logits = model(ids).logits[0, len(prompt) - 1 : -1]
-            loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(target))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 0.01:
-            break
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def parrot(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _teach(tiny_model_dir, tmp_path_factory.mktemp("parrot"))
-
-
-@pytest.fixture(scope="module")
-def server(parrot: Path) -> Iterator[Server]:
-    yield from serve(
-        parrot, "--served-model-name", "parrot", "--max-running-requests", "16",
-        "--weight-version", "3",
-    )  # fmt: skip
 
 
 def _with_proxy(server: Server, parrot: Path, body, **settings: Any) -> Any:

@@ -6,7 +6,6 @@ the tokens trained from it are the server's, exactly. The server runs test_agent
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +13,12 @@ import pytest
 
 from areal_cli.data.messages import message_events, to_chat
 from areal_cli.rollout.proxy import AgentProxy
-from tests.inference.test_agent_proxy import (
-    BROKEN_REPLY,
-    TEXT_REPLY,
-    _teach,
-    _with_proxy,
-    served_and_trained,
-)
-from tests.inference.test_server import Server, serve
+from tests.inference.parrot import ASK_BROKEN, ASK_TEXT, ASK_TOOL, BROKEN_REPLY, TEXT_REPLY
+from tests.inference.test_agent_proxy import _with_proxy, served_and_trained
+from tests.inference.test_server import Server
 
 anthropic = pytest.importorskip("anthropic", reason="the agents extra (pip install -e '.[agents]')")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def parrot(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _teach(tiny_model_dir, tmp_path_factory.mktemp("parrot"))
-
-
-@pytest.fixture(scope="module")
-def server(parrot: Path) -> Iterator[Server]:
-    yield from serve(
-        parrot, "--served-model-name", "parrot", "--max-running-requests", "16",
-        "--weight-version", "3",
-    )  # fmt: skip
 
 
 # The SDK's create() has no sampling fields (Anthropic's newer models fix them); a request
@@ -48,9 +29,6 @@ ADD = {
     "description": "Add two numbers",
     "input_schema": {"type": "object", "properties": {"a": {}, "b": {}}},
 }
-ASK_TOOL = [{"role": "user", "content": "What is 12+34?"}]
-ASK_BROKEN = [{"role": "user", "content": "What is 5+6?"}]
-ASK_TEXT = [{"role": "user", "content": "hello"}]
 
 
 def _sdk(proxy: AgentProxy, episode: Any) -> Any:

@@ -7,7 +7,6 @@ server's, exactly. The server runs test_agent_proxy's "parrot"."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,9 @@ from pydantic import TypeAdapter
 from areal_cli.data.chat import ParsedReply, ToolCall
 from areal_cli.data.responses import input_messages, output_items, response_answer, response_events
 from areal_cli.rollout.proxy import AgentProxy
-from tests.inference.test_agent_proxy import (
-    BROKEN_REPLY,
-    TEXT_REPLY,
-    _teach,
-    _with_proxy,
-    served_and_trained,
-)
-from tests.inference.test_server import Server, serve
+from tests.inference.parrot import BROKEN_REPLY, TEXT_REPLY
+from tests.inference.test_agent_proxy import _with_proxy, served_and_trained
+from tests.inference.test_server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +29,6 @@ ADD = {
     "description": "Add two numbers",
     "parameters": {"type": "object", "properties": {"a": {}, "b": {}}},
 }
-
-
-@pytest.fixture(scope="module")
-def parrot(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _teach(tiny_model_dir, tmp_path_factory.mktemp("parrot"))
-
-
-@pytest.fixture(scope="module")
-def server(parrot: Path) -> Iterator[Server]:
-    yield from serve(
-        parrot, "--served-model-name", "parrot", "--max-running-requests", "16",
-        "--weight-version", "3",
-    )  # fmt: skip
 
 
 def test_input_items_are_the_chat_conversation() -> None:

@@ -23,7 +23,7 @@ DPO = str(REPO / "recipes" / "tiny_dpo.yaml")
         (DEMO, "actor.rejection_sampling.level=sequence allocation_mode=embedded:d1+fsdp:d1c2", "sequence needs each sequence on one rank"),
         (DEMO, "actor.rejection_sampling.level=often", "level"),
         (DEMO, "actor.prox_logp_method=guess", "prox_logp_method"),
-        (DEMO, "teacher.path=builtin:huge", "unknown builtin model 'builtin:huge'"),
+        (DEMO, "teacher.path=builtin:huge", "teacher.path: unknown builtin model 'huge'"),
         (DEMO, "teacher.path=builtin:tiny teacher.rl_loss_weight=0 teacher.distill_loss_weight=0", "both 0, so nothing trains"),
         (DPO, "allocation_mode=fsdp:d1c2", "algorithm: dpo does not support context parallelism"),
         (DPO, "teacher.path=builtin:tiny", "teacher: is not used by algorithm: dpo"),

@@ -20,13 +20,7 @@ def check_model(c: Checker, launch: bool) -> None:
         c.error("model.path", "is required", "give a Hugging Face model folder or builtin:tiny")
         return
     if path.startswith("builtin:"):
-        name = path.split(":", 1)[1]
-        if name not in BUILTIN_MODELS:
-            c.error(
-                "model.path",
-                f"unknown builtin model '{name}'",
-                f"use one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}",
-            )
+        _check_builtin(c, "model.path", path)
         return
     model_dir = _local_or_cached(c, "model.path", path, launch, "model")
     if model_dir is None:
@@ -47,6 +41,18 @@ def check_model(c: Checker, launch: bool) -> None:
     )
     if tok_dir is not None:
         _check_tokenizer_fits(c, config_file, tok_dir)
+
+
+def _check_builtin(c: Checker, key: str, path: str) -> bool:
+    """`path` (builtin:NAME) names a builtin model; an error at `key` otherwise."""
+    name = path.split(":", 1)[1]
+    if name not in BUILTIN_MODELS:
+        c.error(
+            key,
+            f"unknown builtin model '{name}'",
+            f"use one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}",
+        )
+    return name in BUILTIN_MODELS
 
 
 def check_teacher(c: Checker, launch: bool) -> None:
@@ -71,12 +77,7 @@ def check_teacher(c: Checker, launch: bool) -> None:
             "raise one of them",
         )
     if t.path.startswith("builtin:"):
-        if t.path.split(":", 1)[1] not in BUILTIN_MODELS:
-            c.error(
-                "teacher.path",
-                f"unknown builtin model '{t.path}'",
-                f"use one of: {', '.join('builtin:' + m for m in BUILTIN_MODELS)}",
-            )
+        if not _check_builtin(c, "teacher.path", t.path):
             return
     elif _local_or_cached(c, "teacher.path", t.path, launch, "teacher model") is None:
         return
