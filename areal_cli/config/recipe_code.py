@@ -195,21 +195,23 @@ def _top_level_names(source: Path) -> set[str]:
 AgentRun = Callable[..., Awaitable[Any]]  # (data, **kwargs) -> reward
 
 
-def load_agent(spec: str, recipe_dir: Path | None) -> Callable[[], AgentRun]:
+def load_agent(spec: str, recipe_dir: Path | None, sync_ok: bool = False) -> Callable[[], AgentRun]:
     """A factory of the agent's per-episode entry point: `Name().run` for a class (made
     with no arguments), the function itself for an async function
     (areal_cli.rollout.agents has the whole contract); RecipeCodeError says what breaks
-    it."""
+    it. `sync_ok` (rollout.mode subproc, areal_cli.rollout.subproc) admits a synchronous
+    run or function too: it runs in a worker process of its own."""
     found = load_function(spec, recipe_dir)
     if inspect.isclass(found):
         run = getattr(found, "run", None)
-        if run is None:
+        if run is None or not callable(run):
             raise RecipeCodeError(
                 f"agent class {spec} has no run method: define `async def run(self, data, **kwargs)`"
             )
-        if not inspect.iscoroutinefunction(run):
+        if not (sync_ok or inspect.iscoroutinefunction(run)):
             raise RecipeCodeError(
-                f"{spec}.run must be async: `async def run(self, data, **kwargs)`"
+                f"{spec}.run must be async: `async def run(self, data, **kwargs)`, "
+                "or set rollout.mode: subproc to run a synchronous agent in worker processes"
             )
         try:
             inspect.signature(found).bind()
@@ -218,7 +220,7 @@ def load_agent(spec: str, recipe_dir: Path | None) -> Callable[[], AgentRun]:
                 f"agent class {spec} must be made with no arguments (one per episode)"
             ) from None
         return lambda: found().run
-    if not inspect.iscoroutinefunction(found):
+    if not (inspect.iscoroutinefunction(found) or (sync_ok and callable(found))):
         raise RecipeCodeError(
             f"agent {spec} must be an async function `async def {spec.partition(':')[2]}(data, **kwargs)`"
             " or a class with `async def run(self, data, **kwargs)`"
@@ -226,14 +228,14 @@ def load_agent(spec: str, recipe_dir: Path | None) -> Callable[[], AgentRun]:
     return lambda: found  # type: ignore[return-value]
 
 
-def agent_problem(spec: str, recipe_dir: Path) -> str | None:
+def agent_problem(spec: str, recipe_dir: Path, sync_ok: bool = False) -> str | None:
     """What stops `load_agent(spec)`, in one line naming the file and line where it can
     (a syntax error, an import that fails, a missing name, a broken contract); None when
     it loads. Runs the agent's module (see the module docstring)."""
     import traceback
 
     try:
-        load_agent(spec, recipe_dir)
+        load_agent(spec, recipe_dir, sync_ok)
     except SyntaxError as err:
         return f"{Path(err.filename or '?').name}:{err.lineno}: {err.msg}"
     except RecipeCodeError as err:

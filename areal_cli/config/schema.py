@@ -454,6 +454,10 @@ class ProxyConfig:
         "Address the proxy binds; anything but loopback needs inference.api_key, which then guards every route.",
     )
     port: int = field(0, "Port of the proxy; 0 picks a free one.", ge=0, le=65535)
+    admin_api_key: str = field(
+        "",
+        "rollout.mode online: the key POST /rl/start_session needs (AReaL's admin_api_key); each session then gets a key of its own. Required when the proxy binds beyond loopback; empty on loopback lets any local process start sessions.",
+    )
 
 
 @dataclass
@@ -478,6 +482,19 @@ class RolloutConfig:
         "Episode workflow: single_turn, multi_turn, or module:function (an async run_episode beside the recipe).",
     )
     max_turns: int = field(2, "Turns per episode for the multi_turn workflow.", ge=1)
+    mode: str = field(
+        "inline",
+        "Who runs the episodes (AReaL's rollout.agent.mode): inline (the workflow, or rollout.agent, in the controller's event loop), subproc (rollout.agent in subproc_max_workers worker processes: a synchronous or blocking agent cannot stall the loop) or online (an outside application drives sessions through the agent proxy's /rl routes).",
+        choices=("inline", "subproc", "online"),
+    )
+    subproc_max_workers: int = field(
+        4, "rollout.mode subproc: worker processes, each running one agent episode at a time.", ge=1
+    )
+    session_timeout_s: float = field(
+        3600.0,
+        "rollout.mode online: a session with no request for this long is ended, counted as online_timeouts and not trained on; a started group whose sessions stop coming closes after this long with those it has.",
+        gt=0,
+    )
     agent: str = field(
         "",
         "An agent written against the OpenAI SDK, as module:Name beside the recipe: a class with async run(self, data, **kwargs), or an async function (data, **kwargs). It gets the dataset row and base_url, api_key and http_client for the run's agent proxy, and returns a float reward or a dict of completion id to reward. Empty: the workflow runs episodes.",

@@ -160,7 +160,16 @@ def print_dry_run(
     ]:
         console.print(line, markup=False, highlight=False)
     rollout = loaded.config.rollout
-    if rollout.agent:
+    if rollout.mode == "online":
+        where = f"{rollout.proxy.host}:{rollout.proxy.port or 'a free port'}"
+        key = "the admin key" if rollout.proxy.admin_api_key else "no key (loopback)"
+        console.print(
+            f"online: outside clients drive sessions at the agent proxy ({where}, its "
+            f"address in RUN/proxy.json); POST /rl/start_session with {key}; groups of "
+            f"{rollout.group_size} sessions; {rollout.session_timeout_s:g} s session timeout",
+            markup=False,
+        )
+    elif rollout.agent:
         where = f"{rollout.proxy.host}:{rollout.proxy.port or 'a free port'}"
         console.print(
             f"agent proxy: {where} in the controller, OpenAI routes for {rollout.agent} "

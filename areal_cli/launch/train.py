@@ -98,7 +98,9 @@ def read_data(
     else:
         source = cfg.model.path
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or source)
-    prompts = load_dataset_prompts(tokenizer, cfg.dataset, warn)
+    # online: the outside sessions bring their own prompts (dataset.path is not read)
+    online = cfg.rollout.mode == "online"
+    prompts = [] if online else load_dataset_prompts(tokenizer, cfg.dataset, warn)
     context = int((model_config(str(source)) or {}).get("max_position_embeddings") or 0)
     ev = cfg.eval
     if not ev.freq_steps:

@@ -10,7 +10,8 @@ last finished). The rules, with `limit` from `limit()`:
   2. When no trainer step finished for longer than `limit` and the trainer waits for
      rollouts (or never reported at all), the rollout side is stuck unless a server
      answered a call within `limit`: a server that holds calls (generate, weight update)
-     and answers none is named; with none in flight, the controller's rollout loop is.
+     and answers none is named; with none in flight, the controller's rollout loop is
+     (not with rollout.mode online, whose requests are outside clients' to send).
 
 `limit` is `launcher.watchdog.timeout_s` when set. Otherwise it is `step_time_factor`
 times the slowest of the last 10 steps (as the trainer timed them), at least
@@ -89,6 +90,9 @@ class ProgressWatchdog:
         self.steps_done = -1  # unknown until the first heartbeat
         self.last_step_at = start
         self.step_times: deque[float] = deque(maxlen=10)
+        # rollout.mode online: outside clients send the requests, and a run that waits for
+        # them waits by design; only a server that holds calls and answers none is stuck
+        self.outside = cfg.rollout.mode == "online"
 
     def limit(self) -> float:
         """Seconds without progress after which the run counts as stuck."""
@@ -141,6 +145,8 @@ class ProgressWatchdog:
         )
         headline = f"no rollout progress for {idle_for:.0f} s (limit {limit:.0f} s)"
         hung = [s for s in servers if s.pending]
+        if self.outside and not hung:
+            return None  # online: the requests are the outside clients' to send
         if hung:
             held = ", ".join(f"{s.name} holds {s.holds()} call(s)" for s in hung)
             return Stuck("rollout", headline, f"{held} and answered none; {waiting}", ranks)

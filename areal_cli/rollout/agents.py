@@ -31,7 +31,9 @@ group baseline, so a group may hold any number of samples.
 
 Failures: an agent that raises, returns no reward, or runs past `rollout.agent_timeout_s`
 is counted (agent_errors, agent_timeouts) and its episode dropped, as is one that made no
-completion (agent_empty); the run goes on.
+completion (agent_empty); the run goes on. With `rollout.mode: subproc` the agent runs in
+worker processes (areal_cli.rollout.subproc): a hung one is killed with its worker, and a
+worker that dies under it is agent_crashes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 
 from areal_cli.config.recipe_code import AgentRun
 from areal_cli.rollout.proxy import AgentProxy, Completion
+from areal_cli.rollout.subproc import AgentCrashed, AgentPool, PoolBroken
 from areal_cli.rollout.workflows import EpisodeClient, EpisodeOutcome, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,11 @@ class AgentRunner:
     timeout_s: float = 600.0
     api_key: str = "areal"  # what the agent gets; the proxy checks it when it has a key
     name: str = "the agent"  # rollout.agent, for the watchdog's report
+    pool: AgentPool | None = None  # rollout.mode subproc: the worker processes
     running: dict[str, float] = field(default_factory=dict)  # episode id -> start (monotonic)
-    ended: dict[str, int] = field(default_factory=lambda: {"errors": 0, "timeouts": 0})
+    ended: dict[str, int] = field(
+        default_factory=lambda: {"errors": 0, "timeouts": 0, "crashes": 0}
+    )
 
     def describe(self) -> str:
         """The agent episodes in flight, for the watchdog: a stuck agent is named."""
@@ -70,10 +76,12 @@ class AgentRunner:
         oldest = max((now - t for t in self.running.values()), default=0.0)
         last = self.proxy.last_request_at
         asked = f"the last request came {now - last:.0f} s ago" if last else "none made a request"
+        where = "" if self.pool is None else f" in {self.pool.size} worker processes"
         return (
-            f"{len(self.running)} episodes of {self.name} running, the oldest for "
+            f"{len(self.running)} episodes of {self.name} running{where}, the oldest for "
             f"{oldest:.0f} s (rollout.agent_timeout_s {self.timeout_s:g}); {asked}; so far "
-            f"{self.ended['errors']} raised and {self.ended['timeouts']} timed out"
+            f"{self.ended['errors']} raised, {self.ended['timeouts']} timed out and "
+            f"{self.ended['crashes']} crashed"
         )
 
     async def episode(self, client: EpisodeClient, sample: Mapping[str, Any]) -> EpisodeOutcome:
@@ -82,44 +90,60 @@ class AgentRunner:
 
         episode = self.proxy.open_episode(client.next_seed())
         self.running[episode.id] = time.monotonic()
-        error = timed_out = False
+        fault = ""  # errors, timeouts or crashes
         reward: Any = None
+        data = dict(sample.get("row", {}))
+        base_url = self.proxy.base_url(episode)
+        api_key = self.proxy.settings.api_key or self.api_key
         try:
-            # the SDK's own HTTP client class (httpx's, under the name this openai uses)
-            async with openai.DefaultAsyncHttpxClient() as http:
-                run = self.make_agent()
-                kwargs = {
-                    "base_url": self.proxy.base_url(episode),
-                    "api_key": self.proxy.settings.api_key or self.api_key,
-                    "http_client": http,
-                }
-                reward = await asyncio.wait_for(
-                    run(dict(sample.get("row", {})), **kwargs), self.timeout_s
-                )
+            if self.pool is not None:
+                reward = await self.pool.run(data, base_url, api_key, self.timeout_s)
+            else:
+                # the SDK's own HTTP client class (httpx's, under the name this openai uses)
+                async with openai.DefaultAsyncHttpxClient() as http:
+                    run = self.make_agent()
+                    kwargs = {"base_url": base_url, "api_key": api_key, "http_client": http}
+                    reward = await asyncio.wait_for(run(data, **kwargs), self.timeout_s)
         except TimeoutError:
-            timed_out = True
+            fault = "timeouts"
+        except PoolBroken:
+            raise  # no worker can start: the run stops with the reason
+        except AgentCrashed as err:
+            fault = "crashes"
+            log.warning("agent episode crashed: %s", err)
         except Exception as err:  # noqa: BLE001 - an agent's failure drops its episode only
-            error = True
+            fault = "errors"
             log.warning("agent episode failed: %s: %s", type(err).__name__, err)
         finally:
             completions = self.proxy.close_episode(episode)
             self.running.pop(episode.id, None)
         counters = {"agent_episodes": 1.0, "agent_completions": float(len(completions))}
-        if not (error or timed_out) and not _is_reward(reward):
+        if not fault and not _is_reward(reward):
             log.warning("agent returned %r, not a float or a dict of id to reward", reward)
-            error = True
-        if error or timed_out:
-            counters["agent_errors" if error else "agent_timeouts"] = 1.0
-            self.ended["errors" if error else "timeouts"] += 1
+            fault = "errors"
+        if fault:
+            counters[f"agent_{fault}"] = 1.0
+            self.ended[fault] += 1
             return EpisodeOutcome([], counters)
         if not completions:
             return EpisodeOutcome([], {**counters, "agent_empty": 1.0})
-        rewards = completion_rewards(completions, reward, self.turn_discount)
-        if self.samples == "individual":
-            trajs = [_sample([c], r) for c, r in zip(completions, rewards, strict=True)]
-            return EpisodeOutcome(trajs, counters)
-        trajs, breaks = concat_samples(completions, rewards)
-        return EpisodeOutcome(trajs, {**counters, "agent_prefix_breaks": float(breaks)})
+        trajs, made = episode_samples(completions, reward, self.samples, self.turn_discount)
+        return EpisodeOutcome(trajs, {**counters, **made})
+
+
+def episode_samples(
+    completions: list[Completion],
+    reward: float | Mapping[str, float],
+    samples: str,
+    discount: float,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """An episode's training samples (`rollout.agent_samples`) with their rewards, and
+    its counters (agent_prefix_breaks for concat)."""
+    rewards = completion_rewards(completions, reward, discount)
+    if samples == "individual":
+        return [_sample([c], r) for c, r in zip(completions, rewards, strict=True)], {}
+    trajs, breaks = concat_samples(completions, rewards)
+    return trajs, {"agent_prefix_breaks": float(breaks)}
 
 
 def _is_reward(value: Any) -> bool:

@@ -99,8 +99,10 @@ def take_fresh(
             raise RunFailed(f"a rollout failed: {group}") from group
         if not group.trajectories:  # every agent episode of it was dropped
             state.dropped_empty += 1
+            _carry(state, group)
         elif not gate.fresh(state.next_step, group.oldest_version):
             state.dropped_stale += 1
+            _carry(state, group)
         elif sampling.enabled and group.uniform:
             state.dropped_uniform.append(group)
         else:
@@ -118,6 +120,13 @@ def take_fresh(
         return None
     state.ready.extend(fresh[most:])
     return fresh[:most]
+
+
+def _carry(state: LoopState, group: Group) -> None:
+    """A dropped group's counters go into the next batch's figures: each agent episode
+    or online session is counted once, trained or not."""
+    for key, value in group.counters.items():
+        state.carried[key] = state.carried.get(key, 0.0) + value
 
 
 def rollout_figures(
@@ -142,13 +151,15 @@ def rollout_figures(
         "reward_timeouts": float(sum(t.reward_timed_out for t in trajs)),
         "dropped_stale": float(state.dropped_stale),
         "controller_wait_s": state.gate_wait_s,
-        **_summed_counters(groups),
+        **_summed_counters(groups + state.dropped_uniform, state.carried),
     }
 
 
-def _summed_counters(groups: list[Group]) -> dict[str, float]:
-    """The agent episodes' counts of the batch's groups (none for workflows)."""
-    out: dict[str, float] = {}
+def _summed_counters(groups: list[Group], carried: dict[str, float]) -> dict[str, float]:
+    """The agent episodes' counts of the batch's groups, those dropped for it included
+    (none for workflows); the dropped groups' record is then cleared."""
+    out = dict(carried)
+    carried.clear()
     for group in groups:
         for key, value in group.counters.items():
             out[key] = out.get(key, 0.0) + value
@@ -166,7 +177,7 @@ def write_rollout_batch(
     if ctx.cfg.rollout.dynamic_sampling:
         stats["dropped_uniform"] = float(len(state.dropped_uniform))  # for this batch
         stats["batch_groups"] = float(len(groups))
-    if ctx.cfg.rollout.agent:
+    if ctx.cfg.rollout.agent or ctx.online is not None:
         stats["dropped_empty"] = float(state.dropped_empty)
         stats["batch_samples"] = float(len(columns["seqlens"]))
         stats["batch_tokens"] = float(columns["seqlens"].sum())  # context and generated

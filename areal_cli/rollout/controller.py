@@ -45,12 +45,14 @@ from areal_cli.rollout.evaluation import Evaluator, eval_task, make_evaluator
 from areal_cli.rollout.gate import StalenessGate
 from areal_cli.rollout.groups import rollout_task
 from areal_cli.rollout.metrics import MetricsJoin, metrics_task, read_new_lines, steps_in
+from areal_cli.rollout.online import NoPrompts, OnlineSessions, SessionSettings
 from areal_cli.rollout.phases import Phases, ServerTurn
 from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.recovery import ServerRecovery
 from areal_cli.rollout.state import LoopState, RolloutContext, StepSink
 from areal_cli.rollout.sync import GroupPlan, GroupSync, WeightSync
 from areal_cli.rollout.workflows import resolve_workflow
+from areal_cli.rundir.handoff import write_json_atomic
 from areal_cli.rundir.paths import RunDir
 from areal_cli.rundir.weight_group import GroupSpec
 
@@ -150,14 +152,22 @@ async def run_loop(
         await client.wait_healthy(
             cfg.launcher.startup_timeout_s, on_poll=lambda _: hooks.check_children()
         )
-        proxy = await _start_proxy(cfg, client, data, servers[0].served_model)
-        agents = None if proxy is None else _agent_runner(loaded, proxy)
-        ctx = _context(loaded, run_dir, client, rewards, data, agents, colocated)
+        proxy = await _start_proxy(cfg, client, data, servers[0].served_model, run_dir)
+        online = proxy.sessions if proxy is not None else None
+        agents = None
+        if proxy is not None and online is None:
+            agents = await _agent_runner(loaded, proxy)
+        ctx = _context(loaded, run_dir, client, rewards, data, agents, colocated, online)
         state = LoopState(version=0 if start_step == 1 else -1, next_step=start_step)
-        state.episodes = agents  # the watchdog's report names a stuck agent
+        state.episodes = agents or online  # the watchdog's report names a stuck agent
+        if online is not None:
+            online.version = lambda: state.version
         restored = restore_stream(ctx.stream, run_dir, start_step)
         state.next_group = ctx.gate.group_index(start_step) if restored is None else restored
-        sink.status(f"training ({len(data.prompts)} prompts)")
+        if online is not None:
+            sink.status(f"training on online sessions: POST {proxy.address}/rl/start_session")
+        else:
+            sink.status(f"training ({len(data.prompts)} prompts)")
         if ctx.phases is not None:
             await ctx.phases.begin()  # servers an earlier loop left released stay shut
         evaluator = make_evaluator(
@@ -171,8 +181,12 @@ async def run_loop(
         finally:
             if evaluator is not None:
                 await evaluator.close()
+            if agents is not None and agents.pool is not None:
+                await agents.pool.close()
             if proxy is not None:
                 await proxy.close()
+            if online is not None:
+                _online_summary(online, state, run_dir, sink)
             if ctx.phases is not None:
                 ctx.phases.close()
     finally:
@@ -180,11 +194,30 @@ async def run_loop(
         await client.close()
 
 
+def _online_summary(
+    online: OnlineSessions, state: LoopState, run_dir: Path, sink: StepSink
+) -> None:
+    """Where every online session went, in RUN/online.json and one line: the steps'
+    figures count those whose groups reached a batch; the rest are accounted here."""
+    counted = sum(stats.get("online_sessions", 0.0) for stats in state.batch_stats.values())
+    summary = online.summary(int(counted))
+    RunDir(run_dir).proxy.unlink(missing_ok=True)  # its address is closed now
+    write_json_atomic(RunDir(run_dir).online, summary)
+    sink.status(
+        f"online: {summary['started']} sessions started: {summary['ended']} ended, "
+        f"{summary['timed_out']} timed out, {summary['open_at_end']} open at the end; "
+        f"{summary['counted_in_steps']} counted in the steps' figures, "
+        f"{summary['after_last_batch']} came after the last batch"
+    )
+
+
 async def _start_proxy(
-    cfg: ExperimentConfig, client: InferenceClient, data: RolloutData, served: str
+    cfg: ExperimentConfig, client: InferenceClient, data: RolloutData, served: str, run_dir: Path
 ) -> AgentProxy | None:
-    """The agent proxy in front of the servers, when the recipe names an agent."""
-    if not cfg.rollout.agent:
+    """The agent proxy in front of the servers, when the recipe names an agent or runs
+    online (with its session routes; its address then goes into RUN/proxy.json, for the
+    outside clients)."""
+    if not cfg.rollout.agent and cfg.rollout.mode != "online":
         return None
     from areal_cli.data.chat import resolve_tool_parser
 
@@ -202,15 +235,27 @@ async def _start_proxy(
         lambda ids, params: client.generate(ids, params, return_logprob=True),
         cfg.gconfig.sampling_params(),
     )
+    if cfg.rollout.mode == "online":
+        OnlineSessions(proxy, SessionSettings.from_config(cfg), version=lambda: -1)
     await proxy.start()
+    if proxy.sessions is not None:
+        write_json_atomic(RunDir(run_dir).proxy, proxy.sessions.card())
     return proxy
 
 
-def _agent_runner(loaded: LoadedConfig, proxy: AgentProxy) -> AgentRunner:
+async def _agent_runner(loaded: LoadedConfig, proxy: AgentProxy) -> AgentRunner:
+    """The agent's episodes; with rollout.mode subproc, its worker processes started."""
     r = loaded.config.rollout
+    recipe_dir = loaded.recipe.resolve().parent
+    pool = None
+    if r.mode == "subproc":
+        from areal_cli.rollout.subproc import AgentPool
+
+        pool = AgentPool(r.agent, recipe_dir, r.subproc_max_workers)
+        await pool.start()
     return AgentRunner(
-        proxy, load_agent(r.agent, loaded.recipe.resolve().parent), r.agent_samples,
-        r.turn_discount, r.agent_timeout_s, name=r.agent,
+        proxy, load_agent(r.agent, recipe_dir, sync_ok=pool is not None), r.agent_samples,
+        r.turn_discount, r.agent_timeout_s, name=r.agent, pool=pool,
     )  # fmt: skip
 
 
@@ -222,22 +267,28 @@ def _context(
     data: RolloutData,
     agents: AgentRunner | None = None,
     colocated: ServerTurn | None = None,
+    online: OnlineSessions | None = None,
 ) -> RolloutContext:
     """The loop's long-lived objects (the prompt stream from its start: run_loop restores
-    a resumed run's position); with an agent, its episodes are the workflow."""
+    a resumed run's position); with an agent, its episodes are the workflow; online, the
+    outside sessions fill the groups and no prompt is drawn."""
     from areal_cli.data.prompts import PromptStream
 
     cfg = loaded.config
-    stream = PromptStream.from_config(data.prompts, cfg.dataset)
     recipe_dir = loaded.recipe.resolve().parent
+    stream: Any = NoPrompts() if online is not None else None
+    if stream is None:
+        stream = PromptStream.from_config(data.prompts, cfg.dataset)
     if agents is not None:
         workflow = agents.episode
+    elif online is not None:
+        workflow = online.no_workflow
     else:
         workflow = resolve_workflow(cfg.rollout.workflow, recipe_dir, cfg.rollout.max_turns)
     gate = StalenessGate.from_config(cfg)
     phases = Phases.for_run(client, run_dir, colocated) if colocated is not None else None
     return RolloutContext(
-        cfg, run_dir, client, data.tokenizer, rewards, workflow, stream, gate, phases
+        cfg, run_dir, client, data.tokenizer, rewards, workflow, stream, gate, phases, online
     )
 
 
@@ -264,6 +315,7 @@ async def _run_tasks(
     )
     tasks = [
         *([asyncio.create_task(eval_task(evaluator, state, sink))] if evaluator else []),
+        *([asyncio.create_task(ctx.online.watch())] if ctx.online is not None else []),
         asyncio.create_task(rollout_task(ctx, state)),
         asyncio.create_task(sync.run()),
         asyncio.create_task(metrics_task(join, lambda: state.version, state.handoff, sink)),

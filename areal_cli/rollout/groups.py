@@ -56,8 +56,12 @@ async def rollout_task(ctx: RolloutContext, state: LoopState) -> None:
             while ctx.gate.may_launch(
                 state.version, state.next_step, state.in_flight, len(state.ready)
             ):
-                prompt = ctx.stream.next_batch(1)[0]
-                task = asyncio.create_task(run_group(ctx, prompt, state.next_group, state.version))
+                if ctx.online is not None:  # outside sessions fill it (rollout.online)
+                    launch = ctx.online.group(state.next_group, state.version)
+                else:
+                    prompt = ctx.stream.next_batch(1)[0]
+                    launch = run_group(ctx, prompt, state.next_group, state.version)
+                task = asyncio.create_task(launch)
                 state.next_group += 1
                 state.in_flight += 1
                 tasks.add(task)

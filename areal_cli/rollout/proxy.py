@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -115,6 +115,17 @@ class Episode:
         return self.seed - 1
 
 
+class SessionRoutes(Protocol):
+    """What the proxy asks of online sessions (areal_cli.rollout.online.OnlineSessions):
+    their routes, who may call which route, and the episode a session's key names."""
+
+    def add_routes(self, app: web.Application) -> None: ...
+
+    def refuse(self, path: str, token: str | None) -> str | None: ...
+
+    def episode_of(self, token: str | None) -> Episode: ...
+
+
 @dataclass(frozen=True)
 class ProxySettings:
     host: str = "127.0.0.1"
@@ -144,12 +155,17 @@ class AgentProxy:
         self.port = settings.port
         self.created = int(time.time())
         self.last_request_at = 0.0  # time.monotonic() of the last completion asked for
+        self.sessions: SessionRoutes | None = None  # rollout.mode online (it sets this)
 
     # ------------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024**2)
-        for prefix in ("/e/{episode}/v1", "/v1"):
+        prefixes = ["/e/{episode}/v1", "/v1"]
+        if self.sessions is not None:  # a session's key names it; AReaL's gateway paths too
+            self.sessions.add_routes(app)
+            prefixes = ["/v1", ""]
+        for prefix in prefixes:
             app.router.add_post(prefix + "/chat/completions", self._chat)
             app.router.add_post(prefix + "/completions", self._completions)
             app.router.add_post(prefix + "/messages", self._messages)
@@ -190,14 +206,17 @@ class AgentProxy:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        key = self.settings.api_key
-        given = (request.headers.get("Authorization"), request.headers.get("x-api-key"))
-        if key and given[0] != f"Bearer {key}" and given[1] != key:
-            return _error(401, "a valid API key is needed (Authorization: Bearer KEY)")
+        key, given = self.settings.api_key, request_key(request)
+        if self.sessions is not None:  # online: the admin key, or a session's own
+            refused = self.sessions.refuse(request.path, given)
+            if refused is not None:
+                return error_answer(401, refused)
+        elif key and given != key:
+            return error_answer(401, "a valid API key is needed (Authorization: Bearer KEY)")
         try:
             return await handler(request)
         except (ProxyRequestError, ChatRequestError) as err:
-            return _error(400, str(err))
+            return error_answer(400, str(err))
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {
@@ -324,13 +343,13 @@ class AgentProxy:
     async def _request(
         self, request: web.Request, own: frozenset[str], ignored: frozenset[str] | None = None
     ) -> tuple[Episode, dict[str, Any]]:
-        eid = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER, "")
-        episode = self._episodes.get(eid)
-        if episode is None:
-            raise web.HTTPNotFound(
-                text=json.dumps({"error": {"message": f"no open episode {eid!r} at this proxy"}}),
-                content_type="application/json",
-            )
+        if self.sessions is not None:
+            episode = self.sessions.episode_of(request_key(request))
+        else:
+            eid = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER, "")
+            episode = self._episodes.get(eid)
+            if episode is None:
+                raise not_found(f"no open episode {eid!r} at this proxy")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -448,7 +467,22 @@ def _stops(stop: Any) -> list[str]:
     raise ProxyRequestError("stop must be a string or a list of strings")
 
 
-def _error(status: int, message: str) -> web.Response:
+def request_key(request: web.Request) -> str | None:
+    """The request's API key: a Bearer token (OpenAI's SDK) or x-api-key (Anthropic's)."""
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth.removeprefix("Bearer ").strip()
+    return request.headers.get("x-api-key")
+
+
+def not_found(message: str) -> web.HTTPNotFound:
+    return web.HTTPNotFound(
+        text=json.dumps({"error": {"message": message, "code": 404}}),
+        content_type="application/json",
+    )
+
+
+def error_answer(status: int, message: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": "invalid_request_error", "code": status}},
         status=status,

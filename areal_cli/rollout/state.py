@@ -62,6 +62,7 @@ class LoopState:
     ready: deque[Group | BaseException] = field(default_factory=deque)  # finished, not written
     dropped_stale: int = 0
     dropped_empty: int = 0  # groups whose agent episodes all failed
+    carried: dict[str, float] = field(default_factory=dict)  # dropped groups' counters
     dropped_uniform: list[Group] = field(default_factory=list)  # for the next batch (dynamic)
     next_group: int = 0  # the index of the next group to start (seeds its sampling)
     gate_wait_s: float = 0.0  # time with nothing in flight since the last batch
@@ -87,6 +88,15 @@ class LoopState:
         )
 
 
+class SessionGroups(Protocol):
+    """Online mode's groups (areal_cli.rollout.online.OnlineSessions): a launched group
+    is filled by outside sessions; `watch` times out the silent ones (a loop task)."""
+
+    async def group(self, index: int, version: int) -> Group: ...
+
+    async def watch(self) -> None: ...
+
+
 class EpisodeWatch(Protocol):
     """What the watchdog's report says of the agent episodes (areal_cli.rollout.agents)."""
 
@@ -106,6 +116,7 @@ class RolloutContext:
     stream: PromptStream[Prompt]
     gate: StalenessGate
     phases: Phases | None = None  # colocated ('|'): the handover between turns
+    online: SessionGroups | None = None  # rollout.mode online: sessions fill the groups
 
 
 class StepSink(Protocol):

@@ -116,6 +116,16 @@ class RunDir:
         return self.root / PLAN_FILE
 
     @property
+    def proxy(self) -> Path:
+        """The agent proxy's address for outside clients (rollout.mode online)."""
+        return self.root / "proxy.json"
+
+    @property
+    def online(self) -> Path:
+        """Where every online session went, written when the run ends (rollout.mode online)."""
+        return self.root / "online.json"
+
+    @property
     def controller_lock(self) -> Path:
         """The controller's exclusive hold on the run directory (rundir.layout.claim_run_dir)."""
         return self.root / ".controller.lock"

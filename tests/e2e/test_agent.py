@@ -204,5 +204,5 @@ def test_a_stuck_agent_is_named_by_the_watchdog(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "run stuck: no rollout progress" in err, err[-2000:]
     assert "episodes of hang_agent:HangAgent running, the oldest for" in err, err[-2000:]
-    assert "so far 0 raised and 0 timed out" in err, err[-2000:]
+    assert "so far 0 raised, 0 timed out and 0 crashed" in err, err[-2000:]
     _assert_no_processes_left(tmp_path / "tiny-agent" / "trial0")

@@ -162,3 +162,48 @@ def test_trained_tokens_through_responses_are_the_servers_and_logprobs_agree(
     the ids the server returned, and a forward of the served weights gives their
     logprobs (within 1e-4)."""
     assert served_and_trained(server, parrot, _responses_agent, "/v1/responses") < 1e-4
+
+
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_streams(server: Server, parrot: Path):
+    """The OpenAI Agents SDK (openai-agents) unchanged: its Runner's Responses model calls
+    a function tool through the proxy, runs it and stops on its output; a streamed run's
+    text deltas arrive as the SDK's raw response events; the proxy recorded each turn."""
+    agents = pytest.importorskip("agents", reason="the agents extra (pip install -e '.[agents]')")
+    from openai.types.responses import ResponseTextDeltaEvent
+
+    ran: list[dict] = []
+
+    async def add(_ctx: Any, arguments: str) -> str:
+        ran.append(json.loads(arguments))
+        return str(sum(ran[-1].values()))
+
+    tool = agents.FunctionTool(
+        name="add", description=ADD["description"], params_json_schema=ADD["parameters"],
+        on_invoke_tool=add, strict_json_schema=False,
+    )  # fmt: skip
+
+    async def body(proxy: AgentProxy, _client: Any) -> None:
+        episode = proxy.open_episode(seed=3)
+        sdk = openai.AsyncOpenAI(base_url=proxy.base_url(episode), api_key="unused")
+        model = agents.OpenAIResponsesModel(model="x", openai_client=sdk)
+        settings = agents.ModelSettings(temperature=0)
+        config = agents.RunConfig(tracing_disabled=True)
+        calc = agents.Agent(
+            name="calc", model=model, tools=[tool], model_settings=settings,
+            tool_use_behavior="stop_on_first_tool",
+        )  # fmt: skip
+        result = await agents.Runner.run(calc, "What is 12+34?", run_config=config)
+        assert ran == [{"a": 12, "b": 34}] and result.final_output == "46"
+        talk = agents.Agent(name="talk", model=model, tools=[tool], model_settings=settings)
+        streamed = agents.Runner.run_streamed(talk, "hello", run_config=config)
+        deltas = [
+            event.data.delta
+            async for event in streamed.stream_events()
+            if event.type == "raw_response_event" and isinstance(event.data, ResponseTextDeltaEvent)
+        ]
+        assert "".join(deltas) == TEXT_REPLY == streamed.final_output
+        records = proxy.close_episode(episode)
+        assert [r.finish_reason for r in records] == ["tool_calls", "stop"]
+        await sdk.close()
+
+    _with_proxy(server, parrot, body)

@@ -158,6 +158,34 @@ def test_the_agent_recipe_is_valid_and_its_keys_are_checked() -> None:
         _problems("rollout.agent_samples=both")
 
 
+def _online(*overrides: str) -> list[str]:
+    loaded = load_config("recipes/tiny_online.yaml", list(overrides))
+    return [p.format() for p in check_config(loaded, command="validate").problems]
+
+
+def test_the_modes_and_their_keys_are_checked() -> None:
+    """subproc needs an agent (and takes a synchronous one); online has none, needs no
+    dataset, and beyond loopback needs an admin key for its sessions."""
+    (no_agent,) = _problems("rollout.mode=subproc", "rollout.agent=")
+    assert "rollout.mode: subproc runs rollout.agent in worker processes" in no_agent
+    assert _problems("rollout.mode=subproc", "rollout.agent=agents.arith_sync:ArithSyncAgent") == []
+    (sync_inline,) = _problems("rollout.agent=agents.arith_sync:ArithSyncAgent")
+    assert "must be async" in sync_inline and "rollout.mode: subproc" in sync_inline
+    assert _online() == []  # no dataset, no agent, no reward
+    (agent,) = _online("rollout.agent=agents.arith_retry:ArithRetryAgent")
+    assert "rollout.agent: is not read with rollout.mode online" in agent
+    (far,) = _online("rollout.proxy.host=0.0.0.0", "rollout.proxy.admin_api_key=")
+    assert "anyone who reaches it could start sessions" in far
+    assert _online("rollout.proxy.host=0.0.0.0") == []  # the recipe's admin key
+    (evaluation,) = _online("eval.freq_steps=5", "eval.dataset.path=")
+    assert "eval.freq_steps: with rollout.mode online needs eval.dataset.path" in evaluation
+    loaded = load_config(
+        "recipes/tiny_online.yaml", ["dataset.path=recipes/data/arith_train.jsonl"]
+    )
+    (unread,) = [p.format() for p in check_config(loaded, command="validate").warnings]
+    assert "dataset.path: is not read with rollout.mode online" in unread
+
+
 AGENT_FILES = {
     "syntax.py": "def run(:\n    pass\n",
     "failing.py": "import json\nimport not_a_module_xyz\n\nclass A:\n    async def run(self, d):\n        return 1.0\n",

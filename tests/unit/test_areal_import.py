@@ -174,21 +174,25 @@ def test_pipeline_parallel_and_plain_areal_files_are_refused() -> None:
 def test_every_key_of_the_fixtures_is_accounted_for(tmp_path: Path) -> None:
     """Each leaf key of an AReaL recipe is kept, renamed, dropped, changed or noted: the
     body and the header together name every one (none vanish silently)."""
-    from areal_cli.config.areal_import.convert import flatten
 
     for name in ("gsm8k_grpo.yaml", "gsm8k_grpo_cpu.yaml", "gsm8k_sft.yaml"):
         text = (AREAL / name).read_text()
-        imported = import_recipe(text, name, SCRIPT.read_text())
-        said = "\n".join(imported.changed + imported.dropped + imported.lost)
-        data, _ = resolve_refs(yaml.safe_load(text))
-        for key, _value in flatten(data):
-            parts = key.split(".")
-            named = any(
-                f"{p}:" in said or f"{p} " in said
-                for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-            )  # the key, or a section above it, begins a header line
-            kept = imported.get(key, said) is not said  # carried over under its own name
-            assert kept or named, (name, key)
+        _assert_every_key_said(name, text, import_recipe(text, name, SCRIPT.read_text()))
+
+
+def _assert_every_key_said(name: str, text: str, imported: Imported) -> None:
+    from areal_cli.config.areal_import.convert import flatten
+
+    said = "\n".join(imported.changed + imported.dropped + imported.lost)
+    data, _ = resolve_refs(yaml.safe_load(text))
+    for key, _value in flatten(data):
+        parts = key.split(".")
+        named = any(
+            f"{p}:" in said or f"{p} " in said
+            for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        )  # the key, or a section above it, begins a header line
+        kept = imported.get(key, said) is not said  # carried over under its own name
+        assert kept or named, (name, key)
 
 
 def test_a_colocated_areal_allocation_imports_as_one_that_takes_turns(tmp_path: Path) -> None:
@@ -229,7 +233,7 @@ def test_a_folder_imports_every_yaml_with_a_table(tmp_path: Path) -> None:
     assert "needs the Megatron backend" in done.stdout
     assert (out / "gsm8k_grpo_lora.yaml").is_file()
     assert not (out / "gsm8k_grpo_megatron_lora.yaml").exists()
-    assert done.stderr.strip() == "# 5 of 6 imported"
+    assert done.stderr.strip() == "# 8 of 9 imported"  # the three agent examples too
     listed = areal_in_process("import-recipe", str(folder))
     assert listed.returncode == 0 and "pass -o OUT_DIR to write them" in listed.stderr
     only_refused = tmp_path / "refused"
@@ -240,3 +244,42 @@ def test_a_folder_imports_every_yaml_with_a_table(tmp_path: Path) -> None:
     assert (
         with_script.returncode == 2 and "--script goes with one recipe file" in with_script.stderr
     )
+
+
+def test_areal_agent_configs_import_onto_areals_agents_and_online_mode(tmp_path: Path) -> None:
+    """AReaL's agent examples: a library workflow becomes rollout.agent (areal's agent for
+    the same SDK), the Agents SDK example's builder too, and the online example becomes
+    rollout.mode online; each import validates (its agent loads), and every key is said."""
+    expected = {
+        "agent_workflow.yaml": ("rollout.agent", "areal_cli.agents.math_agents:OpenAIMathAgent"),
+        "openai_agents.yaml": ("rollout.agent", "areal_cli.agents.math_agents:AgentsSdkMathAgent"),
+        "openclaw.yaml": ("rollout.mode", "online"),
+    }
+    for name, (key, value) in expected.items():
+        text = (AREAL / name).read_text()
+        imported = import_recipe(text, name)
+        assert imported.get(key) == value, name
+        assert imported.get("reward.fn") is None  # the agent, or the session, rewards
+        _assert_every_key_said(name, text, imported)
+        result, out = _import(tmp_path, name)
+        assert result.returncode == 0, result.stderr
+        checked = run_areal("validate", str(out), f"cluster.fileroot={tmp_path}")
+        assert checked.returncode == 0, checked.stderr
+    online = import_recipe((AREAL / "openclaw.yaml").read_text(), "openclaw.yaml")
+    assert online.get("rollout.proxy.admin_api_key") == "sk-test123456"
+    assert online.get("dataset.path") is None and online.get("rollout.tool_parser") == "hermes"
+    assert online.get("actor.reward_norm")["mean_level"] == "batch"  # a group of one
+
+
+def test_agent_configs_needing_what_areal_lacks_name_it(tmp_path: Path) -> None:
+    base = yaml.safe_load((AREAL / "agent_workflow.yaml").read_text())
+    claude = {**base, "workflow": "areal.workflow.anthropic.claude_math_agent.MathToolAgent"}
+    with pytest.raises(ImportRefused, match="the Claude Agent SDK"):
+        import_recipe(yaml.safe_dump(claude), "claude.yaml")
+    tau2 = {**base, "econfig": {"domain": "airline"}}
+    with pytest.raises(ImportRefused, match="the tau2-bench environment"):
+        import_recipe(yaml.safe_dump(tau2), "tau2.yaml")
+    mine = {**base, "workflow": "my_agents.solver.Solver"}
+    imported = import_recipe(yaml.safe_dump(mine), "mine.yaml")
+    assert imported.get("rollout.agent") == "my_agents.solver:Solver"
+    assert any("your own agent" in line for line in imported.lost)

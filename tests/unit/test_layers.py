@@ -9,7 +9,7 @@ Layers, bottom to top; a module may import its own package and any lower layer:
                   never each other, except rollout -> inference.client
   5 launch, weights
                   placing and supervising processes; convert-checkpoint
-  6 evaluation
+  6 evaluation, agents (areal's own agents, which use rollout's rewards)
   7 cli
 Imports inside functions count too: a lazy import still ties the packages together.
 Inside a package the modules import each other without a cycle (a cycle hides which
@@ -34,6 +34,7 @@ LAYERS = {
     "launch": 5,
     "weights": 5,
     "evaluation": 6,
+    "agents": 6,
     "cli": 7,
 }
 ALLOWED = {("rollout", "areal_cli.inference.client")}

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_cli.config.areal_import.names import (
+    AGENTS,
     DATASETS,
+    REFUSED_AGENTS,
     REFUSED_WORKFLOWS,
     REWARDS,
     WORKFLOWS,
@@ -137,6 +139,7 @@ def import_recipe(text: str, source: str, script: str | None = None) -> Imported
     for ref in broken:
         out.lost.append(f"{ref}: names no key of the file (OmegaConf resolvers are not read)")
     leaves = flatten(data)
+    _refuse_agents(data, source)  # the agent's world first: the most specific absence
     for path, value in leaves:  # refusals first: one line, whatever else the file holds
         rule = rule_of(path)
         if isinstance(rule, Refuse) and (not rule.only_if_set or _truthy(value)):
@@ -217,6 +220,26 @@ def _refuse_by_values(data: dict, source: str) -> None:
         )
 
 
+def _refuse_agents(data: dict, source: str) -> None:
+    """AReaL's agents that areal does not have (its own are mapped: Specials.agent)."""
+    if data.get("econfig"):
+        raise ImportRefused(
+            f"{source}: econfig needs the tau2-bench environment (its simulated user LLM and "
+            "the domain's tools), which areal lacks"
+        )
+    workflow = str(data.get("workflow") or "")
+    if workflow in REFUSED_AGENTS:
+        raise ImportRefused(
+            f"{source}: workflow {workflow} needs {REFUSED_AGENTS[workflow]}, which areal lacks"
+        )
+    if "max_turns" in data and not workflow and not data.get("agent_builder_path"):
+        raise ImportRefused(
+            f"{source}: max_turns with no workflow is the search agent's (ASearcher's) own "
+            "entry script, which needs its retrieval services (a local search and web-browse "
+            "server), which areal lacks"
+        )
+
+
 def _all_keys(value: Any) -> list[str]:
     """Every mapping key at any depth, inside lists too (scheduling_spec's env_vars)."""
     if isinstance(value, dict):
@@ -280,6 +303,7 @@ class Specials:
         critic = " with a critic section" if self.kind == "ppo" else ""
         self.out.changed.append(f"train_dataset.type {kind}{critic} -> algorithm: {self.kind}")
         self.allocation()
+        self.agent()
         self.model_and_run()
         self.optimizer_and_loop()
         self.sampling()
@@ -352,6 +376,75 @@ class Specials:
         return joint.join(parts)
 
     # -- the model and the run -----------------------------------------------------------
+    def agent(self) -> None:
+        """AReaL's agent workflow (`workflow`, or the Agents SDK example's
+        `agent_builder_path`) as rollout.agent; its proxy settings are renames."""
+        for key in ("workflow", "agent_builder_path"):
+            value = str(self.data.get(key) or "")
+            if not value:
+                continue
+            if value in AGENTS:
+                self.out.set("rollout.agent", AGENTS[value])
+                self.out.changed.append(
+                    f"{key} {value} -> rollout.agent: {AGENTS[value]} (areal's agent for the same task and SDK)"
+                )
+            else:
+                module, _, name = value.rpartition(".")
+                self.out.set("rollout.agent", f"{module}:{name}")
+                self.out.lost.append(
+                    f"{key} {value} -> rollout.agent: {module}:{name}: your own agent; areal "
+                    "finds it beside the recipe or on the Python path, makes it with no "
+                    "arguments, and it may import nothing from AReaL's library"
+                )
+            break
+        agent = bool(self.out.get("rollout.agent"))
+        evaluation = self.data.get("eval_workflow")
+        if evaluation is not None:
+            same = evaluation == self.data.get("workflow")
+            (self.out.dropped if same else self.out.lost).append(
+                f"eval_workflow: {'the same agent' if same else evaluation}; `areal eval` scores "
+                "eval.dataset with single-turn samples and eval.reward.fn"
+            )
+        reward = self.data.get("reward_fn_path")
+        if reward and agent:
+            self.out.dropped.append("reward_fn_path: areal's agent returns its own reward")
+        elif reward:
+            mapped = REWARDS.get(str(reward).rpartition(".")[2])
+            if mapped:
+                self.out.set("reward.fn", mapped)
+                self.out.changed.append(f"reward_fn_path {reward} -> reward.fn: {mapped}")
+            else:
+                self.out.lost.append(
+                    f"reward_fn_path {reward}: AReaL code; set reward.fn (module:function beside the recipe)"
+                )
+        if "max_turns" in self.data:
+            self.out.lost.append(
+                f"max_turns {self.data['max_turns']}: areal's agents keep their own turn limit"
+            )
+        proxy = self.section("rollout").get("agent") or {}
+        parser = str(proxy.get("tool_call_parser") or "")
+        if parser:
+            ours = "hermes" if parser.startswith(("qwen", "hermes")) else ""
+            ours = ours or ("llama3" if parser.startswith("llama") else "")
+            if ours:
+                self.out.set("rollout.tool_parser", ours)
+                self.out.changed.append(
+                    f"rollout.agent.tool_call_parser {parser} -> rollout.tool_parser: {ours}"
+                )
+            else:
+                self.out.lost.append(
+                    f"rollout.agent.tool_call_parser {parser}: areal reads hermes or llama3 "
+                    "tool calls (rollout.tool_parser: auto picks one by the chat template)"
+                )
+        template = proxy.get("chat_template_type")
+        if template == "concat":
+            self.out.lost.append(
+                "rollout.agent.chat_template_type concat: areal renders the model's chat "
+                "template (hf); rollout.agent_samples: concat joins turns that extend each other"
+            )
+        elif template is not None:
+            self.out.dropped.append(f"rollout.agent.chat_template_type {template}: areal's way")
+
     def model_and_run(self) -> None:
         actor = self.section("actor")
         tokenizer = self.data.get("tokenizer_path")
@@ -504,6 +597,20 @@ class Specials:
             ("group", "none", True): "rloo",
             ("group", "batch", False): "reinforce_pp",
         }
+        samples = self.section("gconfig").get("n_samples", 1)
+        if (
+            samples == 1
+            and reward_norm["mean_level"] == "group"
+            and not reward_norm["mean_leave1out"]
+        ):
+            # a group of one is its own mean: every reward, so every advantage, would be 0
+            for level in ("mean_level", "std_level"):
+                if reward_norm[level] == "group":
+                    reward_norm[level] = "batch"
+            self.out.changed.append(
+                "actor.reward_norm group levels with gconfig.n_samples 1 -> batch: a group of "
+                "one is its own mean, so AReaL's setting gives every sample advantage 0"
+            )
         key = (reward_norm["mean_level"], reward_norm["std_level"], reward_norm["mean_leave1out"])
         plain = not reward_norm["std_unbiased"] and reward_norm.get("eps") is None
         if self.kind == "ppo":
@@ -594,8 +701,11 @@ class Specials:
     def datasets(self) -> None:
         train = self.section("train_dataset")
         path = str(train.get("path") or "")
+        path = "" if path in ("null", "None", "~") else path  # written as a string
         known = DATASETS.get(path)
-        reward, workflow = self._from_script()
+        # an agent, or an online session, rewards its own episodes: no reward.fn, no workflow
+        outside = self.out.get("rollout.agent") or self.out.get("rollout.mode") == "online"
+        reward, workflow = ("", "") if outside else self._from_script()
         if known is not None:
             self.out.set("dataset.path", path)
             self.out.set("dataset.type", "hub")
@@ -608,11 +718,13 @@ class Specials:
             )
             if known.caveat:
                 self.out.lost.append(f"train_dataset.path {path}: {known.caveat}")
-            if self.kind in ("grpo", "ppo") and not reward and known.reward:
+            if self.kind in ("grpo", "ppo") and not reward and known.reward and not outside:
                 reward = known.reward
                 self.out.changed.append(
                     f"the reward of AReaL's {path} scripts -> reward.fn: {reward} (give --script to read the entry script instead)"
                 )
+        elif not path and self.out.get("rollout.mode") == "online":
+            self.out.dropped.append("train_dataset.path: online sessions bring their own prompts")
         elif path:
             self.out.set("dataset.path", path)
             if not Path(path).expanduser().is_absolute():
@@ -622,9 +734,9 @@ class Specials:
             self.out.changed.append(
                 "train_dataset.path -> dataset.path (areal reads .jsonl, .parquet or a cached Hub dataset; check its column names: dataset.prompt_key, dataset.answer_key)"
             )
-        if self.kind in ("grpo", "ppo"):
-            if reward:
-                self.out.set("reward.fn", reward)
+        if self.kind in ("grpo", "ppo") and not outside:
+            if reward or self.out.get("reward.fn"):
+                self.out.set("reward.fn", reward or self.out.get("reward.fn"))
             else:
                 self.out.lost.append(
                     "the reward function: AReaL chooses it in the entry script; set reward.fn (builtin:math, builtin:numeric, or module:function beside the recipe)"

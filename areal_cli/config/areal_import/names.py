@@ -78,6 +78,26 @@ RULES: dict[str, Rule] = {
     "rollout.consumer_batch_size": SPECIAL,
     "rollout.request_timeout": Rename("rollout.request_timeout_s"),
     "rollout.request_retries": Rename("rollout.request_retries"),
+    # the agent proxy (AReaL's rollout.agent section; areal's rollout keys)
+    "rollout.agent.mode": Rename("rollout.mode"),
+    "rollout.agent.turn_discount": Rename("rollout.turn_discount"),
+    "rollout.agent.export_style": Rename("rollout.agent_samples"),
+    "rollout.agent.tool_call_parser": SPECIAL,
+    "rollout.agent.reasoning_parser": Lost(
+        "areal's proxy returns a reply's reasoning (<think>...</think>) inside its content"
+    ),
+    "rollout.agent.engine_max_tokens": Drop(
+        "areal bounds each request by the servers' context (inference.sglang.context_length)"
+    ),
+    "rollout.agent.chat_template_type": SPECIAL,
+    "rollout.agent.admin_api_key": Rename("rollout.proxy.admin_api_key"),
+    "rollout.agent.session_timeout_seconds": Rename("rollout.session_timeout_s"),
+    "rollout.agent.subproc_max_workers": Rename("rollout.subproc_max_workers"),
+    "rollout.agent.set_reward_finish_timeout": Lost(
+        "areal takes a session's rewards until it ends (/rl/end_session)"
+    ),
+    "rollout.agent.scheduling_spec": BOOKKEEPING,
+    "rollout.agent.agent_cls_path": Refuse("AReaL's agent service (rollout.agent.agent_cls_path)"),
     "rollout.use_lora": Drop("areal reads actor.use_lora"),
     "rollout.agent.*": AGENT,
     "rollout._version": Refuse("AReaL's inference service (rollout._version: v2)", False),
@@ -246,19 +266,20 @@ RULES: dict[str, Rule] = {
     "stats_logger.*": BOOKKEEPING,
     "perf_tracer.*": BOOKKEEPING,
     # what AReaL's agent recipes add
-    "workflow": AGENT,
-    "eval_workflow": AGENT,
-    "agent_builder_path": AGENT,
+    "workflow": SPECIAL,
+    "eval_workflow": SPECIAL,
+    "agent_builder_path": SPECIAL,
+    "agent_builder_kwargs": Lost("areal's agents are made with no arguments"),
     "agent_run_args.max_turns": Rename("rollout.max_turns"),
     "agent_run_args.*": AGENT,
-    "econfig.*": AGENT,
+    "econfig.*": Refuse("the tau2-bench environment", False),  # named first: convert
     "tir.*": Refuse("tool-integrated reasoning (tir)", False),
     "judge_engine.*": Refuse("an LLM judge as the reward (judge_engine)", False),
-    "reward_fn_path": AGENT,
+    "reward_fn_path": SPECIAL,
     "model_path": AGENT,
-    "max_turns": AGENT,
-    "n_trajs": AGENT,
-    "max_tokens_per_trajectory": AGENT,
+    "max_turns": SPECIAL,
+    "n_trajs": Refuse("Terminal-Bench's sandboxed task containers", False),
+    "max_tokens_per_trajectory": Lost("areal bounds each request, not an episode's total"),
     "max_llm_calls_per_run": AGENT,
     "log_agent_stats": AGENT,
     "export_style": SPECIAL,
@@ -331,7 +352,24 @@ REWARDS: dict[str, str] = {
 # Entry-script workflows that are another framework's agents.
 REFUSED_WORKFLOWS: dict[str, str] = {
     "ScaffoldingWorkflow": "TensorRT-LLM scaffolding workflows",
-    "OpenAIAgentWorkflow": "agent workflows and services (OpenAI-SDK agents)",
+    "CamelRLVRWorkflow": "CAMEL's agents (camel-ai's ChatAgent)",
+}
+# AReaL's library agents (`workflow`, `agent_builder_path`) -> areal's (rollout.agent)
+_MATH = "areal_cli.agents.math_agents"
+AGENTS: dict[str, str] = {
+    "areal.workflow.openai.math_agent.MathAgent": f"{_MATH}:OpenAIMathAgent",
+    "areal.workflow.openai.math_agent.MultiTurnMathAgent": f"{_MATH}:OpenAIMultiTurnMathAgent",
+    "areal.workflow.anthropic.math_agent.MathAgent": f"{_MATH}:AnthropicMathAgent",
+    "areal.workflow.langchain.math_agent.MathAgent": f"{_MATH}:LangChainMathAgent",
+    "areal.workflow.openai_agent.math_agent.build_math_agent": f"{_MATH}:AgentsSdkMathAgent",
+}
+REFUSED_AGENTS: dict[str, str] = {
+    "areal.workflow.anthropic.claude_math_agent.MathToolAgent": (
+        "the Claude Agent SDK (claude_agent_sdk, which drives the Claude Code CLI)"
+    ),
+    "areal.workflow.langchain.math_agent.MathToolAgent": (
+        "LangChain's tool-calling agent (langchain.agents.create_agent) among areal's agents"
+    ),
 }
 WORKFLOWS: dict[str, str] = {
     "RLVRWorkflow": "single_turn",

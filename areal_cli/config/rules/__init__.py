@@ -85,7 +85,8 @@ def check_config(
         if mode is not None and mode.train is not None and c.valid("allocation_mode"):
             check_tensor_parallel(c, mode)
     if command in ("train", "validate") and c.valid("dataset"):
-        check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=True)
+        online = not supervised and c.cfg.rollout.mode == "online"  # sessions bring their data
+        check_dataset(c, "dataset", c.cfg.dataset.path, launch, required=not online)
     if supervised:
         role = c.cfg.algorithm
         own, shared = getattr(c.cfg, role).eval_path, c.cfg.eval.dataset.path

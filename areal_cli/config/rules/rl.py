@@ -304,28 +304,81 @@ def _check_callable(
 
 def _check_agent(c: Checker) -> None:
     """rollout.agent runs the episodes and returns their rewards: it replaces the workflow
-    and the reward function. A proxy beyond loopback needs the run's key."""
+    and the reward function; rollout.mode says where it runs, and online mode has none
+    (an outside application drives the sessions). A proxy beyond loopback needs a key."""
     rollout = c.cfg.rollout
-    if not c.valid("rollout.agent", "rollout.proxy.host") or not rollout.agent:
+    if not c.valid("rollout.agent", "rollout.proxy.host", "rollout.mode"):
+        return
+    if rollout.mode == "online":
+        _check_online(c)
+        return
+    if rollout.mode == "subproc" and not rollout.agent:
+        c.error(
+            "rollout.mode",
+            "subproc runs rollout.agent in worker processes, and no agent is set",
+            "set rollout.agent: module:Name, or rollout.mode: inline",
+        )
+    if not rollout.agent:
         return
     if _check_callable(c, "rollout.agent", rollout.agent, (), builtin_prefix=False):
         # the file is there, parses and defines the name: load it and check its contract
-        problem = agent_problem(rollout.agent, c.loaded.recipe.resolve().parent)
+        problem = agent_problem(
+            rollout.agent, c.loaded.recipe.resolve().parent, sync_ok=rollout.mode == "subproc"
+        )
         if problem is not None:
             c.error("rollout.agent", problem, "fix the agent so that it loads")
-    for key in ("rollout.workflow", "reward.fn"):
-        if tuple(key.split(".")) in c.loaded.locations:
-            c.error(
-                key,
-                "is not read with rollout.agent: the agent runs each episode and returns its reward",
-                f"remove {key}, or rollout.agent",
-            )
+    _not_read(
+        c,
+        ("rollout.workflow", "reward.fn"),
+        "with rollout.agent: the agent runs each episode and returns its reward",
+        "rollout.agent",
+    )
     host = rollout.proxy.host
     if not is_loopback(host) and not c.cfg.inference.api_key:
         c.error(
             "rollout.proxy.host",
             f"{host} is beyond loopback, and the agent proxy would answer anyone without a key",
             "set inference.api_key (the proxy then needs it), or host: 127.0.0.1",
+        )
+
+
+def _not_read(c: Checker, keys: tuple[str, ...], why: str, instead: str) -> None:
+    for key in keys:
+        if tuple(key.split(".")) in c.loaded.locations:
+            c.error(key, f"is not read {why}", f"remove {key}, or {instead}")
+
+
+def _online(c: Checker) -> bool:
+    return c.valid("rollout.mode") and c.cfg.rollout.mode == "online"
+
+
+def _check_online(c: Checker) -> None:
+    """rollout.mode online: an outside application is the agent (it sets the rewards);
+    sessions need their own keys, and start_session the admin key beyond loopback."""
+    rollout = c.cfg.rollout
+    why = (
+        "with rollout.mode online: the outside application drives each session and sets its reward"
+    )
+    _not_read(c, ("rollout.agent", "rollout.workflow", "reward.fn"), why, "rollout.mode")
+    if c.cfg.dataset.path:
+        c.warn(
+            "dataset.path",
+            "is not read with rollout.mode online: the sessions bring their own prompts",
+            "remove it (eval.dataset still gives held-out evaluation)",
+        )
+    ev = c.cfg.eval
+    if c.valid("eval.freq_steps", "eval.dataset") and ev.freq_steps and not ev.dataset.path:
+        c.error(
+            "eval.freq_steps",
+            "with rollout.mode online needs eval.dataset.path: there is no dataset to hold out from",
+            "set eval.dataset.path, or eval.freq_steps: 0",
+        )
+    host = rollout.proxy.host
+    if not is_loopback(host) and not rollout.proxy.admin_api_key:
+        c.error(
+            "rollout.proxy.host",
+            f"{host} is beyond loopback, and anyone who reaches it could start sessions",
+            "set rollout.proxy.admin_api_key (POST /rl/start_session then needs it), or host: 127.0.0.1",
         )
 
 
@@ -354,7 +407,7 @@ def _check_eval_during_training(c: Checker) -> None:
             f"holds {ev.holdout} training prompts out, but eval.dataset.path ({ev.dataset.path}) already gives the eval prompts",
             "remove one of them",
         )
-    elif ev.freq_steps and not ev.dataset.path and not ev.holdout:
+    elif ev.freq_steps and not ev.dataset.path and not ev.holdout and not _online(c):
         c.error(
             "eval.freq_steps",
             "evaluates during training, but there are no eval prompts",
