@@ -171,6 +171,12 @@ def print_dry_run(
         )
     elif rollout.agent:
         where = f"{rollout.proxy.host}:{rollout.proxy.port or 'a free port'}"
+        if rollout.mode == "subproc":
+            console.print(
+                f"subprocess agents: {rollout.subproc_max_workers} worker processes, one "
+                "episode each at a time",
+                markup=False,
+            )
         console.print(
             f"agent proxy: {where} in the controller, OpenAI routes for {rollout.agent} "
             f"(samples {rollout.agent_samples}, tool calls {rollout.tool_parser}, "

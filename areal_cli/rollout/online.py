@@ -274,8 +274,12 @@ class OnlineSessions:
 
     def _session(self, token: str | None) -> Session:
         session = self.by_key[token or ""]  # refuse() let only known keys through
+        if session.state == "timeout":
+            raise not_found(
+                f"session {session.id} timed out (rollout.session_timeout_s) and was not trained"
+            )
         if session.state != "open":
-            raise not_found(f"session {session.id} has ended ({session.state})")
+            raise not_found(f"session {session.id} has ended")
         return session
 
     async def _start(self, request: web.Request) -> web.Response:
