@@ -1,4 +1,4 @@
-"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate]
+"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate] [--decode-graphs auto]
 
 The embedded engine's and the trainer's speed on one GPU (issues 44 and 45), each against
 the loop a user has without SGLang, vLLM or a framework, on the same device in the same
@@ -21,7 +21,10 @@ torch and transformers (no network: the model is built here with random weights)
   memory      the device's peak allocated memory over the engine's runs (on the CPU:
               the process's peak resident memory).
   profile     one torch.profiler trace of --profile-steps decode steps at batch 128:
-              kernels launched and host<->device copies per step.
+              kernels and CUDA graphs launched and host<->device copies per step.
+  graphs      --decode-graphs: how decode steps run (areal_cli.inference.graphs). auto:
+              CUDA graphs on the GPU, and under --cpu the same static steps uncaptured
+              ("eager", the path's CPU rehearsal); off: plain steps, the baseline.
   exactness   on a smaller Llama in float32 (peaked random weights, so greedy picks are
               not decided by rounding): logprobs against a transformers forward (bound
               1e-5), greedy outputs against model.generate for 32 requests of mixed
@@ -287,14 +290,15 @@ def profile_decode(engine, batch: list[list[int]], steps: int, device: str) -> s
     if device != "cuda":
         return f"{count('aten::'):.0f} aten ops per step {where}"
     return (
-        f"{count('cudaLaunchKernel', 'cuLaunchKernel'):.0f} kernel launches, "
+        f"{count('cudaLaunchKernel', 'cuLaunchKernel'):.0f} kernel launches and "
+        f"{count('cudaGraphLaunch'):.1f} graph launches, "
         f"{count('Memcpy DtoH'):.1f} device->host and {count('Memcpy HtoD'):.1f} "
         f"host->device copies per step {where}"
     )
 
 
 def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate: bool,
-                profile_steps: int) -> list[tuple[str, str]]:  # fmt: skip
+                profile_steps: int, graphs: str) -> list[tuple[str, str]]:  # fmt: skip
     import torch
 
     from areal_cli.inference.engine import InferenceEngine
@@ -305,8 +309,9 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with InferenceEngine(
-        folder, dtype=setup.dtype, device=device, max_running_requests=setup.requests
-    ) as engine:
+        folder, dtype=setup.dtype, device=device, max_running_requests=setup.requests,
+        decode_graphs=graphs,
+    ) as engine:  # fmt: skip
         engine_run(engine, batch, setup.new_tokens)  # warm-up
         runs = [
             engine_run(engine, batch, setup.new_tokens, seed=100 * (r + 1)) for r in range(reps)
@@ -321,6 +326,7 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
         step_ms = 1000 * (long - short) / (setup.single_new_tokens - 2)
         profile = profile_decode(engine, batch, profile_steps, device)
         weights = weight_bytes(engine.model)
+        rows.append(("decode steps", engine.decode_graphs_info))
     memory = peak_memory(device)
     bound_ms = 1000 * weights / copy_rate(device)
     times = ", ".join(f"{t / s:,.0f}" for t, s in runs)
@@ -343,7 +349,9 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
     return rows
 
 
-def check_exactness(work: Path, setup: Setup, device: str) -> list[tuple[str, bool, str]]:
+def check_exactness(
+    work: Path, setup: Setup, device: str, graphs: str
+) -> list[tuple[str, bool, str]]:
     """The engine against transformers on a smaller float32 Llama (see the docstring)."""
     import random
 
@@ -359,7 +367,9 @@ def check_exactness(work: Path, setup: Setup, device: str) -> list[tuple[str, bo
     rng = random.Random(5)
     mixed = [[rng.randrange(2, vocab) for _ in range(rng.randint(3, 96))] for _ in range(64)]
     rows = []
-    with InferenceEngine(folder, dtype="float32", device=device, max_running_requests=64) as engine:
+    with InferenceEngine(
+        folder, dtype="float32", device=device, max_running_requests=64, decode_graphs=graphs
+    ) as engine:
 
         def request(ids: list[int], temperature: float, seed: int, new: int = 24):
             params = SamplingParams(temperature=temperature, max_new_tokens=new,
@@ -596,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument(
+        "--decode-graphs",
+        choices=["auto", "cuda", "eager", "off"],
+        default="auto",
+        help="auto: cuda on the GPU, eager under --cpu (see the docstring)",
+    )
     args = parser.parse_args(argv)
     parts = set(args.part.split(","))
     if not parts or parts - {"engine", "trainer"}:
@@ -608,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --cpu, or on a machine with a GPU", file=sys.stderr)
         return 2
     setup = CPU if args.cpu else GPU
+    graphs = args.decode_graphs
+    if graphs == "auto":
+        graphs = "eager" if args.cpu else "cuda"
     start = time.perf_counter()
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     speed: list[tuple[str, str]] = []
@@ -616,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if "engine" in parts:
             speed += bench_speed(work, setup, device, args.reps, args.skip_generate,
-                                 args.profile_steps)  # fmt: skip
-            exact += check_exactness(work, setup, device)
+                                 args.profile_steps, graphs)  # fmt: skip
+            exact += check_exactness(work, setup, device, graphs)
         if "trainer" in parts:
             speed += bench_trainer(work, setup, CPU_TRAIN if args.cpu else GPU_TRAIN, device)
     print(f"gpu_bench{' (--cpu)' if args.cpu else ''}: torch {torch.__version__} on {where}")

@@ -653,6 +653,14 @@ class EmbeddedServerConfig:
         "Longest prompt plus reply in tokens; null: the model's max_position_embeddings.",
         ge=1,
     )
+    disable_cuda_graph: bool = field(
+        False,
+        "Decode without CUDA graphs on a GPU (each step then launches its kernels one by one; "
+        "a CPU never captures graphs).",
+    )
+    cuda_graph_max_bs: int | None = field(
+        None, "Largest batch a decode graph is captured for; null: max_running_requests.", ge=1
+    )
 
 
 @dataclass
@@ -674,6 +682,15 @@ class SGLangConfig:
         None, "--attention-backend (e.g. fa3, flashinfer, triton); null lets SGLang decide."
     )
     disable_radix_cache: bool = field(False, "--disable-radix-cache")
+    disable_cuda_graph: bool = field(
+        False, "--disable-decode-cuda-graph (--disable-cuda-graph before sglang 0.5.23)."
+    )
+    cuda_graph_max_bs: int | None = field(
+        None,
+        "--cuda-graph-max-bs-decode (--cuda-graph-max-bs before sglang 0.5.23); null lets "
+        "SGLang decide.",
+        ge=1,
+    )
     enable_deterministic_inference: bool = field(False, "--enable-deterministic-inference")
     random_seed: int | None = field(None, "--random-seed")
     schedule_policy: str = field(

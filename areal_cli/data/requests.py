@@ -8,13 +8,15 @@ server cannot serve is a client error, never a 500 and never a quiet 200. Which 
 route accepts at all is each front's own rule (the server refuses what it does not
 implement, the proxy ignores what changes nothing); this module only checks the values.
 `check_room(limit, n_prompt, context)` is the one check that needs the rendered prompt:
-max_tokens must fit in the context beside it.
+max_tokens must fit in the context beside it. `json_object(request, error)` reads the body
+every front starts from.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from areal_cli.data.chat import ChatRequestError
@@ -22,6 +24,22 @@ from areal_cli.data.chat import ChatRequestError
 Route = Literal["chat", "completions"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto", "required")
+
+
+async def json_object(
+    request: Any, error: Callable[[str], Exception], empty: bool = True
+) -> dict[str, Any]:
+    """The JSON object an aiohttp `request` carries ({} when it has no body and `empty`
+    allows that); otherwise raises `error(message)`, which each front answers as its 400."""
+    if empty and not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise error("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise error("the body must be a JSON object")
+    return body
 
 
 def check_request(body: Mapping[str, Any], route: Route) -> None:

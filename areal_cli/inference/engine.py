@@ -44,7 +44,8 @@ from areal_cli.inference.api import (
     GenerateRequest,
     WeightUpdate,
 )
-from areal_cli.inference.memory import MemoryBusy, parse_tags, trim_host_memory
+from areal_cli.inference.graphs import DecodeGraphs, resolve_mode
+from areal_cli.inference.memory import GRAPH_TAG, MemoryBusy, parse_tags, trim_host_memory
 from areal_cli.inference.model import EngineModel
 from areal_cli.inference.sampling import SeqState, sample_tokens
 from areal_cli.inference.weight_loader import WeightLoader, WeightLoadError
@@ -132,9 +133,18 @@ class InferenceEngine:
         context_length: int | None = None,
         schedule_policy: SchedulePolicy = "lof",
         max_queue_wait_s: float = 10.0,
+        decode_graphs: str = "auto",
+        cuda_graph_max_bs: int | None = None,
     ) -> None:
+        """`decode_graphs` (inference.graphs): "auto" captures each decode step's forward
+        as a CUDA graph on a GPU with areal's own decoder and is "off" elsewhere; "eager"
+        runs the same static steps uncaptured (the CPU rehearsal of that path).
+        `cuda_graph_max_bs` (SGLang's flag): the largest batch a graph is made for (default
+        max_running_requests); larger batches decode without one."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if cuda_graph_max_bs is not None and cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be at least 1, got {cuda_graph_max_bs}")
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if schedule_policy not in ("fcfs", "lof"):
@@ -166,6 +176,12 @@ class InferenceEngine:
         self._weight_version = weight_version
         self._seed_rng = random.Random(random_seed)
         self._batch = self._model.running_batch(max_running_requests)
+        self._graphs: DecodeGraphs | None = None
+        mode = resolve_mode(decode_graphs, self.device, self._model.own)
+        if mode != "off":
+            most = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
+            self._graphs = DecodeGraphs(self.model, self._batch, most, mode)
+        self.graph_problem: str | None = None  # why graphs were turned off, if they were
         self._paused = False
         self._released: set[str] = set()  # memory tags given back (inference.memory)
         self._stopping = False
@@ -512,11 +528,41 @@ class InferenceEngine:
         batch = self._batch
         if not batch.seqs:
             return
-        inputs = batch.decode_inputs(self.device, self._model.sdpa)
-        logits = self._model.forward(
-            inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], batch.cache
-        )  # float32, on the model's device: sampling runs there (sampling.sample_tokens)
+        logits = self._graph_step() if self._graphs is not None else None
+        if logits is None:
+            inputs = batch.decode_inputs(self.device, self._model.sdpa)
+            logits = self._model.forward(
+                inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"], batch.cache
+            )  # float32, on the model's device: sampling runs there (sampling.sample_tokens)
         batch.keep(self._advance(batch.seqs, logits))
+
+    def _graph_step(self) -> torch.Tensor | None:
+        """The decode step's logits from a static step (a CUDA graph's replay), or None
+        when the batch is past the largest graph. A graph that cannot be captured turns
+        graphs off for this engine, said once in the log and in `decode_graphs_info`."""
+        graphs = self._graphs
+        if not graphs.fits(len(self._batch.seqs)):
+            return None
+        try:
+            return graphs.step(self._batch.seqs)
+        except Exception as exc:
+            if graphs.mode != "cuda":
+                raise
+            self.graph_problem = f"{type(exc).__name__}: {exc}"
+            logger.error("decode graphs are off for this server: %s", self.graph_problem)
+            graphs.reset()
+            self._graphs = None
+            self._batch.hold_buffers = False
+            return None
+
+    @property
+    def decode_graphs_info(self) -> str:
+        """How decode steps run: plain, static steps, or CUDA graphs (and how many)."""
+        if self._graphs is None:
+            why = f" (graphs turned off: {self.graph_problem})" if self.graph_problem else ""
+            return "plain steps" + why
+        captured = f"; {self._graphs.captures} captured" if self._graphs.mode == "cuda" else ""
+        return self._graphs.describe() + captured
 
     def _advance(self, seqs: list[SeqState], logits: torch.Tensor) -> list[bool]:
         """Sample one token per sequence, finish those that stop; True = still running."""
@@ -601,7 +647,10 @@ class InferenceEngine:
                 f"{len(self._batch.seqs)} request(s) are running; release memory on an idle "
                 "server (pause_generation with mode abort first)"
             )
-        self._batch.clear()  # empty already: its KV buffers went with its last row
+        self._batch.clear()  # its KV buffers (held for decode graphs, else gone already)
+        if self._graphs is not None:  # they recorded the buffers' and weights' addresses
+            self._graphs.reset()
+        tags = tags - {GRAPH_TAG}  # dropped above; captured again at their next use
         if "weights" in tags and "weights" not in self._released:
             with self._loader.lock:
                 self._loader.release()
@@ -612,6 +661,7 @@ class InferenceEngine:
         return f"released {sorted(tags)}"
 
     def _do_resume(self, tags: frozenset[str]) -> str:
+        tags = tags - {GRAPH_TAG}
         if "weights" in tags and "weights" in self._released:
             with self._loader.lock:
                 self._loader.restore()

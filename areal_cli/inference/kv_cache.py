@@ -137,7 +137,7 @@ class RunningBatch:
     """The decoding sequences and their shared slot cache (see `SlotLayer`).
 
     Buffers grow by doubling (rows up to the batch cap, columns as sequences grow) and are
-    released when the batch empties. A sequence that leaves is replaced by a row moved
+    released when the batch empties (but with `hold_buffers`, for decode graphs). A sequence that leaves is replaced by a row moved
     from the end, so removals copy only the moved rows.
     """
 
@@ -153,6 +153,9 @@ class RunningBatch:
         self.past = 0  # cached columns in use: the longest kv_len
         self.columns = torch.zeros(0, dtype=torch.long)  # where each row writes this step
         self._slots: dict[tuple[int, int], torch.Tensor] = {}
+        # Decode graphs (inference.graphs) record the buffers' addresses: they then get
+        # every row at once and keep them while the batch is empty (until `clear`).
+        self.hold_buffers = False
 
     def slots(self, heads: int, columns: int) -> torch.Tensor:
         """Flat [row, head, column] offsets this step writes, row-major over (row, head)."""
@@ -185,7 +188,7 @@ class RunningBatch:
         first, width = len(self.seqs), cache.get_seq_length()
         self.seqs.extend(seqs)
         like = [layer.keys for layer in cache.layers]
-        self._reserve(len(self.seqs), max(s.kv_len for s in self.seqs) + 1, like)
+        self.reserve(len(self.seqs), max(s.kv_len for s in self.seqs) + 1, like)
         pick = torch.tensor(index, device=self.layers[0].key_buf.device)
         for layer, source in zip(self.layers, cache.layers, strict=True):
             layer.key_buf[first : len(self.seqs), :, :width] = source.keys.index_select(0, pick)
@@ -198,7 +201,10 @@ class RunningBatch:
         if n == len(self.seqs):
             return
         if n == 0:
-            self.clear()
+            if self.hold_buffers:
+                self.seqs = []
+            else:
+                self.clear()
             return
         holes = [i for i in range(n) if not keep[i]]
         movers = [i for i in range(n, len(keep)) if keep[i]]
@@ -214,14 +220,17 @@ class RunningBatch:
             seqs[hole] = self.seqs[mover]
         self.seqs = seqs
 
-    def _reserve(self, rows: int, columns: int, like: list[torch.Tensor] | None = None) -> None:
+    def reserve(self, rows: int, columns: int, like: list[torch.Tensor] | None = None) -> None:
         """Make the buffers hold at least `rows` x `columns`, keeping their contents; `like`
-        gives each layer's heads, head size, dtype and device when nothing is allocated."""
+        gives each layer's heads, head size, dtype and device when nothing is allocated.
+        With `hold_buffers`, every row is allocated at once."""
         buf = self.layers[0].key_buf
         if buf is not None and buf.shape[0] >= rows and buf.shape[2] >= columns:
             return
         have_rows, have_cols = (0, 0) if buf is None else (buf.shape[0], buf.shape[2])
         new_rows = min(self.max_rows, max(rows, 2 * have_rows, 4))
+        if self.hold_buffers:
+            new_rows = max(self.max_rows, rows)
         new_cols = max(columns, 2 * have_cols, 64)
         like = like or [layer.key_buf for layer in self.layers]
         for layer, ref in zip(self.layers, like, strict=True):
@@ -240,7 +249,7 @@ class RunningBatch:
         kv_lens = [s.kv_len for s in self.seqs]
         lens = torch.tensor(kv_lens, device=device)
         self.past = max(kv_lens)
-        self._reserve(len(self.seqs), self.past + 1)
+        self.reserve(len(self.seqs), self.past + 1)
         self.columns = lens
         self._slots.clear()
         mask = torch.arange(self.past + 1, device=device)[None, :] <= lens[:, None]

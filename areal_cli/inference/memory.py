@@ -10,6 +10,10 @@ and "kv_cache" (None: both). The embedded engine honours them so:
             reads them again: a colocated server loads a new version after every step
             anyway, so nothing is copied twice; on an accelerator they move to host
             memory and back, as SGLang's CPU backup does.
+  cuda_graph  SGLang's third tag: the decode graphs (inference.graphs) and their memory
+            pool are dropped. Every release drops them anyway (they record the addresses
+            of the KV buffers and the weights), and they are captured again at their next
+            use, so resuming this tag has nothing to do and it never holds requests back.
 Released memory goes back to the operating system (`trim_host_memory`), so the server's
 resident size falls by about its weights and KV cache while the trainer steps. Requests
 that arrive meanwhile wait, as they do on a paused server.
@@ -22,7 +26,8 @@ import ctypes.util
 import functools
 from collections.abc import Iterable
 
-MEMORY_TAGS = ("weights", "kv_cache")
+MEMORY_TAGS = ("weights", "kv_cache")  # None means these
+GRAPH_TAG = "cuda_graph"
 
 
 class MemoryBusy(ValueError):
@@ -35,9 +40,10 @@ def parse_tags(tags: Iterable[str] | None) -> frozenset[str]:
     if tags is None:
         return frozenset(MEMORY_TAGS)
     chosen = frozenset(tags)
-    unknown = sorted(chosen - set(MEMORY_TAGS))
+    known = [*MEMORY_TAGS, GRAPH_TAG]
+    unknown = sorted(chosen - set(known))
     if unknown:
-        raise ValueError(f"unknown memory tag(s) {unknown}: the tags are {list(MEMORY_TAGS)}")
+        raise ValueError(f"unknown memory tag(s) {unknown}: the tags are {known}")
     return chosen
 
 

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import errno
 import hmac
-import json
 import logging
 import os
 import signal
@@ -59,7 +58,7 @@ from areal_cli.data.chat import (
     resolve_tool_parser,
     send_sse,
 )
-from areal_cli.data.requests import check_request, check_room
+from areal_cli.data.requests import check_request, check_room, json_object
 from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.inference.guards import bind_problem, weight_path_problem
@@ -86,15 +85,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 async def _body(request: web.Request) -> dict[str, Any]:
     """The JSON object body, {} when empty."""
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("the JSON body must be an object")
-    return body
+    return await json_object(request, BadRequest)
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -710,6 +701,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Listen beyond loopback without an API key (refused otherwise).",
     )
+    parser.add_argument(
+        "--disable-decode-cuda-graph",
+        "--disable-cuda-graph",
+        action="store_true",
+        help="Decode without CUDA graphs on a GPU (SGLang's flags; a CPU never captures them).",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-bs-decode",
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="Largest batch a decode graph is captured for; default: --max-running-requests.",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -726,6 +730,8 @@ async def serve(args: argparse.Namespace) -> None:
         random_seed=args.random_seed,
         schedule_policy=args.schedule_policy,
         context_length=args.context_length,
+        decode_graphs="off" if args.disable_decode_cuda_graph else "auto",
+        cuda_graph_max_bs=args.cuda_graph_max_bs_decode,
     )
     if args.watch_weights:
         engine.watch_for_weights(args.watch_weights)

@@ -40,7 +40,6 @@ of those online_timeouts, online_no_reward (ended with no reward set) and online
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -49,8 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from areal_cli.data.requests import json_object
 from areal_cli.rollout.agents import episode_samples
-from areal_cli.rollout.proxy import error_answer, not_found, request_key
+from areal_cli.rollout.proxy import bad_request, error_answer, not_found, request_key
 from areal_cli.rollout.state import Group
 
 if TYPE_CHECKING:
@@ -361,12 +361,4 @@ class OnlineSessions:
 
 
 async def _body(request: web.Request) -> Mapping[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "the body is not JSON"}}), content_type="application/json") from None  # fmt: skip
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "the body must be a JSON object"}}), content_type="application/json")  # fmt: skip
-    return body
+    return await json_object(request, bad_request)

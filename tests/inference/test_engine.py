@@ -44,16 +44,6 @@ def fresh_engine(tiny_model_dir: Path) -> Iterator[InferenceEngine]:
     eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_model_alt(tiny_model_dir_alt: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir_alt).eval()
-
-
 def request(ids: list[int], rid: str | None = None, **params: object) -> GenerateRequest:
     return GenerateRequest(
         input_ids=ids, sampling_params=SamplingParams(**params), return_logprob=True, rid=rid
@@ -571,7 +561,9 @@ def test_released_memory_holds_requests_until_an_update_refills_the_weights(
     eng.resume_memory_occupation(["kv_cache"])
     assert waiting.result(timeout=60).output_ids == hf_greedy(hf_model_alt, prompt, 12)
     with pytest.raises(ValueError, match="unknown memory tag"):
-        eng.release_memory_occupation(["cuda_graph"])
+        eng.release_memory_occupation(["activations"])
+    eng.release_memory_occupation(["cuda_graph"])  # SGLang's third tag: graphs, none held
+    eng.resume_memory_occupation(["cuda_graph"])
 
 
 def test_resumed_without_an_update_the_engine_reads_its_last_folder_again(

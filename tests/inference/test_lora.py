@@ -101,7 +101,8 @@ def test_fresh_adapter_changes_nothing_and_merge_equals_on_the_fly(
     with torch.no_grad():
         on_the_fly, folded = model(PROBE).logits, merged(PROBE).logits
         assert float((on_the_fly - base(PROBE).logits).abs().max()) > 1e-3  # it does adapt
-    assert float((on_the_fly - folded).abs().max()) < 1e-5
+    # one folded matmul against two, in fp32: 1.2e-5 on logits of ~3 on a Xeon with AMX
+    assert float((on_the_fly - folded).abs().max()) < 5e-5
 
 
 def test_peft_loads_our_adapter_folder(tiny_model_dir: Path, tmp_path: Path) -> None:

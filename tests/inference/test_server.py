@@ -190,7 +190,7 @@ def test_abort_and_pause_routes(server: Server) -> None:
     assert server.call("/release_memory_occupation", {"tags": None})[0] == 200
     info = server.call("/server_info")[1]
     assert info["memory_released"] == ["kv_cache", "weights"] and info["resident_mb"] > 0
-    assert server.call("/release_memory_occupation", {"tags": ["cuda_graph"]})[0] == 400
+    assert server.call("/release_memory_occupation", {"tags": ["activations"]})[0] == 400
     assert server.call("/resume_memory_occupation", {})[0] == 200
     assert server.call("/server_info")[1]["memory_released"] == []
     status, out = server.call("/generate", gen_body([9, 9], 4))  # its weights read again

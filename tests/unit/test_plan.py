@@ -144,9 +144,12 @@ def test_sglang_flags_are_accepted_by_sglang_parser() -> None:
         "inference.sglang.max_running_requests=64",
         "inference.sglang.chunked_prefill_size=4096",
         "inference.sglang.attention_backend=fa3",
+        "inference.sglang.disable_cuda_graph=true",
+        "inference.sglang.cuda_graph_max_bs=32",
         "inference.api_key=sekret",
     )
     args = sglang_args(cfg, mode.inference, "/m", 30000, 0)
+    assert "--disable-decode-cuda-graph" in args and "--cuda-graph-max-bs-decode" in args
     i = 0
     while i < len(args):
         flag = args[i]
@@ -156,6 +159,26 @@ def test_sglang_flags_are_accepted_by_sglang_parser() -> None:
         else:
             assert not args[i + 1].startswith("--"), f"{flag} needs a value"
             i += 2
+
+
+def test_the_embedded_server_takes_the_cuda_graph_flags_the_plan_gives_it() -> None:
+    """The embedded server's parser accepts SGLang's graph flags (0.5.23's names, and the
+    older ones an AReaL user types), and the plan passes the recipe's keys as them."""
+    from areal_cli.inference.server import build_parser
+
+    _, _, plan = _plan(
+        "tiny_cpu.yaml",
+        "inference.embedded.disable_cuda_graph=true",
+        "inference.embedded.cuda_graph_max_bs=8",
+    )
+    args = build_parser().parse_args(plan.processes[0].argv[3:])
+    assert args.disable_decode_cuda_graph and args.cuda_graph_max_bs_decode == 8
+    old = build_parser().parse_args(
+        ["--model-path", "/m", "--disable-cuda-graph", "--cuda-graph-max-bs", "4"]
+    )
+    assert old.disable_decode_cuda_graph and old.cuda_graph_max_bs_decode == 4
+    plain = build_parser().parse_args(plan.processes[0].argv[3:5])
+    assert not plain.disable_decode_cuda_graph and plain.cuda_graph_max_bs_decode is None
 
 
 def test_api_key_is_redacted_in_json() -> None:

@@ -214,6 +214,8 @@ RULES: dict[str, Rule] = {
     "sglang.max_running_requests": Rename("inference.sglang.max_running_requests"),
     "sglang.attention_backend": Rename("inference.sglang.attention_backend"),
     "sglang.disable_radix_cache": Rename("inference.sglang.disable_radix_cache"),
+    "sglang.disable_cuda_graph": Rename("inference.sglang.disable_cuda_graph"),
+    "sglang.cuda_graph_max_bs": Rename("inference.sglang.cuda_graph_max_bs"),
     "sglang.schedule_policy": Rename("inference.sglang.schedule_policy"),
     "sglang.log_level": Rename("inference.sglang.log_level"),
     "sglang.dtype": Rename("inference.sglang.dtype"),

@@ -95,5 +95,13 @@ def embedded_args(
         "--device",
         device,
     ]
-    args += given({"--served-model-name": served_name, "--context-length": e.context_length})
+    args += given(
+        {
+            "--served-model-name": served_name,
+            "--context-length": e.context_length,
+            "--cuda-graph-max-bs-decode": e.cuda_graph_max_bs,
+        }
+    )
+    if e.disable_cuda_graph:
+        args.append("--disable-decode-cuda-graph")
     return args  # the key travels in the environment (Embedded.run_env)

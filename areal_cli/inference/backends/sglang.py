@@ -195,6 +195,7 @@ def sglang_args(
             "--max-running-requests": s.max_running_requests,
             "--chunked-prefill-size": s.chunked_prefill_size,
             "--attention-backend": s.attention_backend,
+            "--cuda-graph-max-bs-decode": s.cuda_graph_max_bs,
             "--tokenizer-path": cfg.model.tokenizer_path or None,
             "--served-model-name": served_name,
             "--api-key": cfg.inference.api_key or None,
@@ -206,6 +207,7 @@ def sglang_args(
     )
     switches = {
         "--disable-radix-cache": s.disable_radix_cache,
+        "--disable-decode-cuda-graph": s.disable_cuda_graph,
         "--enable-deterministic-inference": s.enable_deterministic_inference,
         "--enable-metrics": s.enable_metrics,
         "--skip-server-warmup": s.skip_server_warmup,
