@@ -30,15 +30,14 @@ path, which tests compare with the plain step (tests/inference/test_decode_graph
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from areal_cli.inference.kv_cache import RunningBatch
+from areal_cli.inference.kv_cache import RunningBatch, slot_offsets
 
 logger = logging.getLogger(__name__)
 
-GraphMode = Literal["auto", "cuda", "eager", "off"]
 GRAPH_MODES = ("auto", "cuda", "eager", "off")
 MIN_WIDTH = 64  # the narrowest width bucket, in cache columns
 
@@ -88,20 +87,14 @@ class StaticCache:
     def __init__(self, batch: RunningBatch, rows: int, width: int, positions: torch.Tensor):
         self.layers = batch.layers
         self.rows, self.width = rows, width
-        _, heads, columns, self.dim = self.layers[0].key_buf.shape
-        device = positions.device
-        row = torch.arange(rows, device=device)[:, None] * heads
-        head = torch.arange(heads, device=device)[None, :]
-        self.offsets = ((row + head) * columns + positions).reshape(-1)
+        _, heads, columns, _ = self.layers[0].key_buf.shape
+        self.offsets = slot_offsets(positions, heads, columns)
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, dim = self.layers[layer_idx], self.dim
-        layer.key_buf.view(-1, dim).index_copy_(0, self.offsets, key.reshape(-1, dim))
-        layer.value_buf.view(-1, dim).index_copy_(0, self.offsets, value.reshape(-1, dim))
-        rows, width = self.rows, self.width
-        return layer.key_buf[:rows, :, :width], layer.value_buf[:rows, :, :width]
+        layer = self.layers[layer_idx]
+        return layer.write(self.offsets, key, value, self.rows, self.width)
 
 
 class DecodeGraphs:

@@ -102,6 +102,15 @@ def prefill_cache(config: Any, hf: bool) -> Any:
     return LayerCache([PrefillLayer() for _ in range(config.num_hidden_layers)])
 
 
+def slot_offsets(positions: torch.Tensor, heads: int, columns: int) -> torch.Tensor:
+    """Flat offsets into [rows, heads, columns, head_dim] buffers (viewed as [-1,
+    head_dim]) where row r writes its new token, at column positions[r] ([rows, 1]) of every
+    head; row-major over (row, head), as a [rows, heads, 1, dim] key reshapes."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+    head = torch.arange(heads, device=positions.device)[None, :]
+    return ((rows * heads + head) * columns + positions).reshape(-1)
+
+
 class SlotLayer:
     """One layer's keys and values in preallocated [rows, kv_heads, columns, head_dim] buffers.
 
@@ -121,13 +130,20 @@ class SlotLayer:
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.batch
-        n, width = len(batch.seqs), batch.past + 1
-        _, heads, columns, dim = self.key_buf.shape
-        # One flat index_copy_ per buffer: far cheaper than advanced-index assignment.
+        _, heads, columns, _ = self.key_buf.shape
         slots = batch.slots(heads, columns)
-        self.key_buf.view(-1, dim).index_copy_(0, slots, key_states.reshape(-1, dim))
-        self.value_buf.view(-1, dim).index_copy_(0, slots, value_states.reshape(-1, dim))
-        return self.key_buf[:n, :, :width], self.value_buf[:n, :, :width]
+        return self.write(slots, key_states, value_states, len(batch.seqs), batch.past + 1)
+
+    def write(
+        self, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys and values at flat `offsets` (`slot_offsets`) and return the
+        first `rows` x `width` of both buffers, for attention. One flat index_copy_ per
+        buffer: far cheaper than advanced-index assignment."""
+        dim = self.key_buf.shape[3]
+        self.key_buf.view(-1, dim).index_copy_(0, offsets, key.reshape(-1, dim))
+        self.value_buf.view(-1, dim).index_copy_(0, offsets, value.reshape(-1, dim))
+        return self.key_buf[:rows, :, :width], self.value_buf[:rows, :, :width]
 
     def get_seq_length(self) -> int:
         return self.batch.past
@@ -137,8 +153,9 @@ class RunningBatch:
     """The decoding sequences and their shared slot cache (see `SlotLayer`).
 
     Buffers grow by doubling (rows up to the batch cap, columns as sequences grow) and are
-    released when the batch empties (but with `hold_buffers`, for decode graphs). A sequence that leaves is replaced by a row moved
-    from the end, so removals copy only the moved rows.
+    released when the batch empties (but with `hold_buffers`, for decode graphs). A
+    sequence that leaves is replaced by a row moved from the end, so removals copy only the
+    moved rows.
     """
 
     def __init__(self, config: Any, max_rows: int, hf: bool = False) -> None:
@@ -161,10 +178,7 @@ class RunningBatch:
         """Flat [row, head, column] offsets this step writes, row-major over (row, head)."""
         key = (heads, columns)
         if key not in self._slots:
-            rows = torch.arange(len(self.seqs), device=self.columns.device)
-            head = torch.arange(heads, device=self.columns.device)
-            offsets = (rows[:, None] * heads + head[None, :]) * columns + self.columns[:, None]
-            self._slots[key] = offsets.reshape(-1)
+            self._slots[key] = slot_offsets(self.columns[:, None], heads, columns)
         return self._slots[key]
 
     @property
@@ -228,9 +242,10 @@ class RunningBatch:
         if buf is not None and buf.shape[0] >= rows and buf.shape[2] >= columns:
             return
         have_rows, have_cols = (0, 0) if buf is None else (buf.shape[0], buf.shape[2])
-        new_rows = min(self.max_rows, max(rows, 2 * have_rows, 4))
         if self.hold_buffers:
             new_rows = max(self.max_rows, rows)
+        else:
+            new_rows = min(self.max_rows, max(rows, 2 * have_rows, 4))
         new_cols = max(columns, 2 * have_cols, 64)
         like = like or [layer.key_buf for layer in self.layers]
         for layer, ref in zip(self.layers, like, strict=True):
