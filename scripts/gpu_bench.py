@@ -1,4 +1,4 @@
-"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate] [--decode-graphs auto]
+"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate] [--decode-graphs auto] [--trainer-attention auto]
 
 The embedded engine's and the trainer's speed on one GPU (issues 44 and 45), each against
 the loop a user has without SGLang, vLLM or a framework, on the same device in the same
@@ -39,7 +39,10 @@ torch and transformers (no network: the model is built here with random weights)
               (6 x parameters x tokens over the bf16 matmul rate measured in the same
               run) and peak GPU memory of each (the trainer's own record,
               peak_device_mb), and their ratios (goals: >= 1.0x and MFU >= 30% at equal
-              lengths, >= 1.5x at mixed, less memory).
+              lengths, >= 1.5x at mixed, less memory). --trainer-attention picks the
+              packed attention's kernel (areal_cli.trainer.attention; auto: varlen
+              FlashAttention on the GPU once its probe passes, else SDPA per padded
+              width, "buckets"); the trainer rows name the one that ran.
 
 --cpu runs every part on the CPU with a tiny model and a small batch (CI runs it:
 tests/e2e/test_gpu_bench.py), so the script cannot rot. It prints one table; the exit
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shutil
 import statistics
@@ -457,9 +461,10 @@ def rollout_batch(setup: TrainSetup, lengths: list[int], vocab: int, seed: int):
 
 
 def areal_trainer(work: Path, name: str, folder: Path, batches: list, setup: TrainSetup,
-                  device: str) -> tuple[float, float]:  # fmt: skip
+                  device: str) -> tuple[float, float, str]:  # fmt: skip
     """`areal_cli.trainer.main` under torchrun, one rank (FSDP2, bf16 compute and fp32
-    reduction on a GPU) on fixed batches: (median seconds of steps 2.., peak memory MiB)."""
+    reduction on a GPU) on fixed batches: (median seconds of steps 2.., peak memory MiB,
+    the attention kernel it reported)."""
     from areal_cli.rundir.batch import write_batch
     from tests.gloo.conftest import torchrun, write_config
 
@@ -476,14 +481,17 @@ def areal_trainer(work: Path, name: str, folder: Path, batches: list, setup: Tra
         keys |= {"cluster.n_gpus_per_node": 1, "actor.fsdp.param_dtype": "bfloat16",
                  "actor.fsdp.reduce_dtype": "float32"}  # fmt: skip
     config = write_config(work / f"{name}.yaml", folder, work / name, **keys)
-    torchrun(1, config, "--batches", str(work / f"{name}-batches"), "--dp", "1", timeout=600)
+    ran = torchrun(1, config, "--batches", str(work / f"{name}-batches"), "--dp", "1", timeout=600)
+    said = [line.split("packed attention: ", 1)[1] for line in ran.stderr.splitlines()
+            if "packed attention: " in line]  # fmt: skip
+    kernel = "; ".join(said) or "buckets (SDPA per padded width)"
     records = [
         json.loads(line)
         for line in (work / name / "gloo" / "t" / "logs" / "trainer-metrics.jsonl").read_text().splitlines()
     ]  # fmt: skip
     steady = records[1:] or records
     peak = max(r.get("peak_device_mb") or r["peak_rss_mb"] for r in records)
-    return statistics.median(r["train_s"] for r in steady), peak
+    return statistics.median(r["train_s"] for r in steady), peak, kernel
 
 
 def plain_loop(folder: Path, batches: list, setup: TrainSetup, device: str) -> tuple[float, float]:
@@ -584,13 +592,15 @@ def bench_trainer(
         lengths = [completions(tsetup, kind == "mixed", seed=10 + s) for s in range(tsetup.steps)]
         batches = [rollout_batch(tsetup, ls, vocab, seed=s) for s, ls in enumerate(lengths)]
         tokens = statistics.mean(sum(tsetup.prompt + n for n in ls) for ls in lengths)
-        ours, ours_peak = areal_trainer(work, f"train-{kind}", folder, batches, tsetup, device)
+        ours, ours_peak, kernel = areal_trainer(work, f"train-{kind}", folder, batches, tsetup,
+                                                device)  # fmt: skip
         plain, plain_peak = plain_loop(folder, batches, tsetup, device)
         mfu = lambda s, t=tokens: 6 * params * t / s / rate  # noqa: E731
         what = (f"{tsetup.seqs} x ({tsetup.prompt} + {tsetup.completion})" if kind == "equal"
                 else f"{tsetup.seqs} x ({tsetup.prompt} + {tsetup.mixed[0]}..{tsetup.mixed[1]})")  # fmt: skip
         rows.append((f"trainer, {kind} lengths", f"{tokens / ours:,.0f} tokens/s, {ours:.3f} s/step, "
-                     f"MFU {mfu(ours):.1%}, peak {ours_peak:,.0f} MiB ({what}, ~{tokens:,.0f} tokens)"))  # fmt: skip
+                     f"MFU {mfu(ours):.1%}, peak {ours_peak:,.0f} MiB ({what}, ~{tokens:,.0f} tokens); "
+                     f"attention: {kernel}"))  # fmt: skip
         rows.append((f"plain loop, {kind} lengths", f"{tokens / plain:,.0f} tokens/s, {plain:.3f} s/step, "
                      f"MFU {mfu(plain):.1%}, peak {plain_peak:,.0f} MiB"))  # fmt: skip
         goal = "goal >= 1.0x, MFU >= 30%" if kind == "equal" else "goal >= 1.5x"
@@ -612,7 +622,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto: cuda on the GPU, eager under --cpu (see the docstring)",
     )
+    parser.add_argument(
+        "--trainer-attention",
+        choices=["auto", "varlen", "buckets"],
+        default="auto",
+        help="the trainer's packed attention kernel (see the docstring)",
+    )
     args = parser.parse_args(argv)
+    os.environ["AREAL_TRAINER_ATTENTION"] = args.trainer_attention  # the trainer ranks read it
     parts = set(args.part.split(","))
     if not parts or parts - {"engine", "trainer"}:
         parser.error(f"--part takes engine, trainer or engine,trainer (got {args.part!r})")

@@ -9,7 +9,8 @@ instead of nccl), which CI does (tests/e2e/test_gpu_check.py), so the script can
   trainer     under real torchrun, one rank, on random rollout batches of a ~100k Llama:
               fp32 in one micro-batch against two (the exactness check at one rank: the
               same loss and weights), and FSDP2 with bf16 compute (mixed precision wraps
-              even one rank, on nccl) against fp32 on the same batch;
+              even one rank, on nccl) against fp32 on the same batch; on a GPU also
+              the packed attention's varlen kernel against per-sequence SDPA;
   engine      the embedded engine's sampled logprobs against a teacher-forced
               transformers forward pass on the same device;
   colocated   the colocated demo (recipes/tiny_cpu_colocated.yaml: embedded:d1|fsdp:d1)
@@ -101,6 +102,28 @@ def check_trainer(work: Path, device: str) -> list[Row]:
             f"loss rel diff {bf16_loss:.1e}, max |d weight| {bf16_weights:.1e} (bound 5e-2)",
         ),
         *check_lora_trainer(work, model, batches, gpus, backend),
+        *check_varlen(device),
+    ]
+
+
+def check_varlen(device: str) -> list[Row]:
+    """On a GPU: the trainer's varlen attention kernel (FlashAttention in torch) against
+    per-sequence SDPA in float32, forward and query gradient, in bf16, for SmolLM2-360M's
+    heads (15 over 5 of 64) and the test model's; on the CPU there is no such kernel."""
+    if device != "cuda":
+        return []
+    import torch
+
+    from areal_cli.trainer.attention import VARLEN_TOLERANCE, varlen_error
+
+    errors = [varlen_error(torch.device("cuda"), torch.bfloat16, *shape)
+              for shape in ((15, 5, 64), (4, 2, 16))]  # fmt: skip
+    return [
+        (
+            "trainer: varlen attention vs per-sequence SDPA, bf16",
+            max(errors) <= VARLEN_TOLERANCE,
+            f"max error {max(errors):.1e} (bound {VARLEN_TOLERANCE}; 15/5 and 4/2 heads)",
+        )
     ]
 
 

@@ -23,6 +23,19 @@ whole micro-batch, set for the duration of a forward with `PackedAttention.micro
 all-to-alls are differentiable (their backward is the reverse all-to-all). So every
 layer, every activation and the attention's saved q, k, v and output are split cp ways.
 
+Two kernels compute the same thing (`PackedAttention.kernel`; the environment variable
+AREAL_TRAINER_ATTENTION=auto|varlen|buckets picks one, auto by default):
+- buckets (above): SDPA per padded width. The CPU path, and the fallback everywhere.
+- varlen: FlashAttention over the packed [T, heads, d] itself (`torch.nn.attention.varlen`),
+  given the micro-batch's cumulative sequence lengths: no padding, no mask, grouped
+  key/value heads read in place. auto takes it on CUDA in bf16/fp16 once a probe
+  (`varlen_problem`: a small forward and backward against per-sequence SDPA in float32)
+  has passed on that device, dtype and head shape; otherwise, or if the probe fails
+  (torch without varlen, another signature, a kernel error), buckets, said once on stderr.
+Whatever a kernel indexes with (bucket index tensors, or cu_seqlens) is planned on the
+host when the micro-batch is entered with its device (`micro_batch(..., device=)`) and
+copied over without waiting: nothing in the forward or backward reads a device value back.
+
 The implementation (a `PackedAttention`, which keeps the context parallel size and the
 micro-batch of the forward running now) is installed in transformers as "areal_packed"
 and used by every trainer model; transformers then builds no mask of its own. A forward
@@ -35,7 +48,10 @@ heads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +62,32 @@ ATTENTION = "areal_packed"
 # Sequences are padded to a multiple of this many tokens and attended in one SDPA call
 # per width (`_bucket_attention`).
 BUCKET = 16
+KERNEL_ENV = "AREAL_TRAINER_ATTENTION"
+KERNELS = ("auto", "varlen", "buckets")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def kernel_choice() -> str:
+    """The kernel AREAL_TRAINER_ATTENTION asks for (auto when unset)."""
+    value = os.environ.get(KERNEL_ENV, "auto") or "auto"
+    if value not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={value!r}: use one of {', '.join(KERNELS)}")
+    return value
+
+
+def _say(text: str) -> None:
+    """One line about the kernel on stderr, from rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[trainer] packed attention: {text}", file=sys.stderr, flush=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on CUDA it goes through
+    pinned memory with a non-blocking copy (a copy from pageable memory waits for the
+    stream); elsewhere a plain `.to`."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -55,6 +97,7 @@ class _Context:
     seq_ids: torch.Tensor  # [T]: the sequence of each token of the whole micro-batch
     _spans: list[tuple[int, int]] | None = None
     _plans: dict[torch.device, list[_Bucket]] = field(default_factory=dict)
+    _bounds: dict[torch.device, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def spans(self) -> list[tuple[int, int]]:
         """[(start, end)] of each sequence in the whole micro-batch, computed once (the
@@ -71,6 +114,20 @@ class _Context:
         if device not in self._plans:
             self._plans[device] = plan_buckets(self.spans(), device)
         return self._plans[device]
+
+    def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(int32 [n + 1] cumulative sequence lengths on `device`, the longest sequence):
+        what the varlen kernel takes, built once like `plan`."""
+        if device not in self._bounds:
+            self._bounds[device] = cu_seqlens(self.spans(), device)
+        return self._bounds[device]
+
+
+def cu_seqlens(spans: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, int]:
+    """`spans` as varlen attention takes them: int32 [0, end_0, end_1, ...] on `device`,
+    and the longest span (host arithmetic)."""
+    bounds = torch.tensor([0, *(b for _, b in spans)], dtype=torch.int32)
+    return to_device(bounds, device), max((b - a for a, b in spans), default=0)
 
 
 @dataclass(frozen=True)
@@ -104,12 +161,12 @@ def plan_buckets(spans: list[tuple[int, int]], device: torch.device) -> list[_Bu
         mask = keep = None
         if padded:
             tril = torch.ones(width, width, dtype=torch.bool).tril()
-            mask = (tril[None, None] & valid[:, None, None, :]).to(device, non_blocking=True)
-            keep = torch.nonzero(valid.reshape(-1))[:, 0].to(device, non_blocking=True)
+            mask = to_device(tril[None, None] & valid[:, None, None, :], device)
+            keep = to_device(torch.nonzero(valid.reshape(-1))[:, 0], device)
         tokens = None
         if len(widths) > 1:
-            tokens = torch.cat([torch.arange(a, b) for a, b in chosen]).to(device)
-        buckets.append(_Bucket(index.to(device, non_blocking=True), mask, keep, tokens))
+            tokens = to_device(torch.cat([torch.arange(a, b) for a, b in chosen]), device)
+        buckets.append(_Bucket(to_device(index, device), mask, keep, tokens))
     return buckets
 
 
@@ -140,13 +197,20 @@ def heads_to_sequence(x: torch.Tensor, ctx: _Context) -> torch.Tensor:
 
 class PackedAttention:
     """The "areal_packed" attention of the trainer's models, with the state it needs: the
-    context-parallel size of the models' ranks, and the micro-batch whose forward runs now
-    (set by `micro_batch`). The trainer's mesh holds one (trainer.mesh.TrainerMesh); its
-    `install` makes it the callable transformers runs for "areal_packed"."""
+    context-parallel size of the models' ranks, the kernel (`KERNELS`: auto, varlen or
+    buckets; default from AREAL_TRAINER_ATTENTION), and the micro-batch whose forward runs
+    now (set by `micro_batch`). The trainer's mesh holds one (trainer.mesh.TrainerMesh);
+    its `install` makes it the callable transformers runs for "areal_packed"."""
 
-    def __init__(self, cp_size: int = 1) -> None:
+    def __init__(self, cp_size: int = 1, kernel: str | None = None) -> None:
         self.cp_size = cp_size
+        self.kernel = kernel_choice() if kernel is None else kernel
+        if self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel {self.kernel!r}: use one of {', '.join(KERNELS)}")
         self._current: _Context | None = None
+        # auto: per (device, dtype, heads, kv heads, head dim), whether varlen passed its probe
+        self._varlen_ok: dict[tuple, bool] = {}
+        self.used: set[str] = set()  # the kernels that ran (for benchmarks and checks)
 
     def install(self) -> PackedAttention:
         """Make this object transformers' "areal_packed" attention (the one every model
@@ -156,15 +220,60 @@ class PackedAttention:
         AttentionInterface.register(ATTENTION, self)
         return self
 
+    def prepare(
+        self, group: Any, size: int, seq_ids: torch.Tensor, device: torch.device | None = None
+    ) -> _Context:
+        """A micro-batch's context: the whole micro-batch's sequence ids (consecutive
+        tokens of a sequence share one id, on the host); `size` is the cp size (1: no
+        context parallelism). With the model's `device`, what the kernel indexes with is
+        planned and sent there now, so the forward reads nothing back from the device."""
+        ctx = _Context(group, size, seq_ids)
+        if device is not None:
+            if self._may_use_varlen(device):
+                ctx.cu_seqlens(device)
+            else:
+                ctx.plan(device)
+        return ctx
+
     @contextlib.contextmanager
-    def micro_batch(self, group: Any, size: int, seq_ids: torch.Tensor) -> Iterator[None]:
-        """Forwards inside see the whole micro-batch's sequence ids (consecutive tokens of
-        a sequence share one id); `size` is the cp size (1: no context parallelism)."""
-        previous, self._current = self._current, _Context(group, size, seq_ids)
+    def running(self, ctx: _Context) -> Iterator[None]:
+        """Forwards inside attend within the sequences of `ctx` (from `prepare`)."""
+        previous, self._current = self._current, ctx
         try:
             yield
         finally:
             self._current = previous
+
+    def micro_batch(
+        self, group: Any, size: int, seq_ids: torch.Tensor, device: torch.device | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """`running(prepare(...))`: forwards inside see this micro-batch's sequences."""
+        return self.running(self.prepare(group, size, seq_ids, device))
+
+    def _may_use_varlen(self, device: torch.device) -> bool:
+        """Whether a forward on `device` is expected to take varlen (the dtype and the
+        probe decide at the first layer; a wrong guess only moves planning there)."""
+        if self.kernel != "auto":
+            return self.kernel == "varlen"
+        return device.type == "cuda" and all(self._varlen_ok.values())
+
+    def _use_varlen(self, query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+        if self.kernel != "auto":
+            return self.kernel == "varlen"
+        if dropout or query.device.type != "cuda" or query.dtype not in _HALF:
+            return False
+        shape = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3])
+        if shape not in self._varlen_ok:
+            problem = varlen_problem(*shape)
+            self._varlen_ok[shape] = problem is None
+            if problem is not None:
+                _say(
+                    f"varlen unavailable ({problem}); using SDPA per padded width. "
+                    f"{KERNEL_ENV}=buckets skips this check."
+                )
+            else:
+                _say(f"varlen (FlashAttention) in {str(query.dtype)[6:]}, {shape[2]} heads")
+        return self._varlen_ok[shape]
 
     def __call__(
         self,
@@ -194,22 +303,139 @@ class PackedAttention:
                 raise RuntimeError(
                     "the trainer's attention takes packed sequences, not a padding mask"
                 )
-            buckets = plan_buckets([(0, query.shape[2])], query.device)
-        else:
-            buckets = ctx.plan(query.device)
-        if ctx is not None and ctx.size > 1:
+            ctx = _Context(None, 1, torch.zeros(query.shape[2], dtype=torch.long))
+        split = ctx.size > 1
+        if split:
             query, key, value = (sequence_to_heads(t, ctx) for t in (query, key, value))
-        groups = query.shape[1] // key.shape[1]
-        if buckets[0].tokens is None:  # one bucket: every sequence, in token order
-            out = _bucket_attention(query, key, value, buckets[0], groups, dropout, scaling)
+        if self._use_varlen(query, key, dropout):
+            self.used.add("varlen")
+            bounds, longest = ctx.cu_seqlens(query.device)
+            out = varlen_attention(query, key, value, bounds, longest, scaling)  # [T, H, d]
+            if not split:
+                return out[None], None
+            out = out.transpose(0, 1)[None]
         else:
-            out = torch.empty_like(query)
-            for bucket in buckets:
-                rows = _bucket_attention(query, key, value, bucket, groups, dropout, scaling)
-                out = out.index_copy(2, bucket.tokens, rows)
-        if ctx is not None and ctx.size > 1:
+            self.used.add("buckets")
+            out = _buckets_attention(query, key, value, ctx.plan(query.device), dropout, scaling)
+        if split:
             out = heads_to_sequence(out, ctx)
         return out.transpose(1, 2).contiguous(), None
+
+
+def _buckets_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    buckets: list[_Bucket],
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of [1, H, T, d] per bucket (`_bucket_attention`), back in token order."""
+    groups = query.shape[1] // key.shape[1]
+    if buckets[0].tokens is None:  # one bucket: every sequence, in token order
+        return _bucket_attention(query, key, value, buckets[0], groups, dropout, scaling)
+    out = torch.empty_like(query)
+    for bucket in buckets:
+        rows = _bucket_attention(query, key, value, bucket, groups, dropout, scaling)
+        out = out.index_copy(2, bucket.tokens, rows)
+    return out
+
+
+def _varlen_kernel() -> tuple[Callable[..., torch.Tensor], dict[str, Any], bool]:
+    """torch's varlen attention, the keyword that makes it causal (newer torch: window
+    (-1, 0); older: is_causal), and whether it takes enable_gqa (without it, grouped
+    key/value heads go to FlashAttention as they are, which reads them natively)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal: dict[str, Any] = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        raise ImportError("its varlen_attn takes neither window_size nor is_causal")
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: torch.Tensor,
+    longest: int,
+    scaling: float | None,
+    kernel: Callable[[], tuple[Callable[..., torch.Tensor], dict[str, Any], bool]] | None = None,
+) -> torch.Tensor:
+    """Causal attention of the packed sequences of [1, H, T, d] (`bounds`: int32 [n + 1]
+    cumulative lengths; `longest`: the longest sequence) in one varlen call on [T, H, d];
+    returns [T, H, d]."""
+    attend, causal, takes_gqa = (kernel or _varlen_kernel)()
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    extra = dict(causal, scale=scaling)
+    if takes_gqa and k.shape[1] != q.shape[1]:
+        extra["enable_gqa"] = True
+    return attend(q, k, v, bounds, bounds, longest, longest, **extra)
+
+
+def sequence_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: list[tuple[int, int]],
+    scaling: float | None,
+) -> torch.Tensor:
+    """The reference: causal SDPA of each span of [T, H, d] alone; returns [T, H, d]."""
+    parts = []
+    for a, b in spans:
+        q, k, v = (x[a:b].transpose(0, 1)[None] for x in (query, key, value))
+        groups = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
+        )
+        parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
+def varlen_error(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> float:
+    """How far the varlen kernel on `device` in `dtype` is from `sequence_attention` in
+    float32, for two sequences of 7 and 17 tokens of this head shape: the larger of the
+    output's max |difference| and the query gradient's, relative to its largest value.
+    Raises whatever the kernel raises."""
+    spans = [(0, 7), (7, 24)]
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(24, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
+    with torch.enable_grad():
+        q, k, v = (x.to(device, dtype).requires_grad_() for x in host)
+        bounds, longest = cu_seqlens(spans, device)
+        out = varlen_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), bounds, longest, None)
+        out.float().square().sum().backward()
+        ref_q = host[0].to(device).requires_grad_()
+        ref = sequence_attention(ref_q, host[1].to(device), host[2].to(device), spans, None)
+        ref.square().sum().backward()
+    return max(
+        float((out.float() - ref).abs().max()),
+        float((q.grad.float() - ref_q.grad).abs().max() / ref_q.grad.abs().max()),
+    )
+
+
+VARLEN_TOLERANCE = 0.05  # bf16 rounding is ~1e-2 here; a wrong mask or layout is ~1
+
+
+def varlen_problem(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> str | None:
+    """None when the varlen kernel runs here and passes `varlen_error` within
+    VARLEN_TOLERANCE; otherwise why not, in a few words."""
+    try:
+        error = varlen_error(device, dtype, heads, kv_heads, dim)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not this kernel here
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(exc).__name__}: {first[:160]}"
+    if not error <= VARLEN_TOLERANCE:
+        return f"it differs from per-sequence SDPA by {error:.3g} (tolerance {VARLEN_TOLERANCE})"
+    return None
 
 
 def _bucket_attention(

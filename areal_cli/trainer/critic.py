@@ -149,12 +149,13 @@ def forward_values(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's output at every position of the packed `seqs` (label space; whole
     sequences: algorithm ppo refuses context parallelism), and the packed tensors."""
+    from areal_cli.trainer.attention import to_device
     from areal_cli.trainer.step import label_space
 
     mb = label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
-    local = {k: v.to(device) for k, v in mb.items()}
-    with layout.attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"]):
+    local = {k: to_device(v, device) for k, v in mb.items()}
+    with layout.attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"], device):
         values = model(
             input_ids=local["input_ids"][None],
             position_ids=local["position_ids"][None],

@@ -48,11 +48,15 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """max of x over the mask, detached; 0 for an empty mask."""
+    """max of x over the mask, detached; 0 for an empty mask. No host sync: nothing
+    here depends on how many positions the mask holds."""
     m = mask.bool()
-    if not bool(m.any()):
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    return x.detach()[m].max()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return zero
+    x = x.detach()
+    top = torch.where(m, x, torch.full_like(x, -math.inf)).max()
+    return torch.where(m.any(), top, zero)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -233,10 +237,17 @@ def _ratio(
     return torch.exp(log_ratio)
 
 
+def _slots(ids: torch.Tensor) -> int:
+    """How many per-sequence slots the sequence ids of packed tokens need, without reading
+    them (a host sync on a GPU): ids number the sequences from 0 and every sequence has a
+    token, so no id reaches the token count. Unused slots stay empty."""
+    return ids.numel()
+
+
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
     """Each token's sequence's mean of `x` over its masked tokens (0 off the mask)."""
     ids = seq_ids.long().reshape(-1)
-    n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    n_seq = _slots(ids)
     flat = torch.where(mask, x, torch.zeros_like(x)).reshape(-1)
     sums = flat.new_zeros(n_seq).index_add(0, ids, flat)
     counts = flat.new_zeros(n_seq).index_add(0, ids, mask.reshape(-1).to(flat.dtype))
@@ -279,7 +290,7 @@ def _sequence_agg(
     if agg == "mean":
         return _sequence_mean(x, mask, seq_ids)
     ids = seq_ids.long().reshape(-1)
-    n_seq = int(ids.max()) + 1 if ids.numel() else 0
+    n_seq = _slots(ids)
     m = mask.reshape(-1)
     if agg == "sum":
         flat = torch.where(m, x.reshape(-1), torch.zeros_like(x.reshape(-1)))
@@ -578,9 +589,7 @@ def aggregate_loss(
     if mode != "seq_mean":
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {LOSS_AGG_MODES}")
     ids = _resolve_seq_ids(loss_mask, seq_ids).reshape(-1)
-    n_seq = int(ids.max()) + 1 if ids.numel() else 0
-    if seq_counts is not None:
-        n_seq = max(n_seq, len(seq_counts))
+    n_seq = len(seq_counts) if seq_counts is not None else _slots(ids)
     sums = masked.new_zeros(n_seq).index_add(0, ids, masked.reshape(-1))
     if seq_counts is not None:
         counts = seq_counts.to(masked)

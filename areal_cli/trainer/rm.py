@@ -34,6 +34,7 @@ from torch import nn
 from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, format_prompt, load_prompts, reply_ids
+from areal_cli.trainer.attention import to_device
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences
 from areal_cli.trainer.sft import step_indices
@@ -97,13 +98,15 @@ def last_token_scores(
     """The head's output at each sequence's last token, from one packed forward."""
     device = next(model.parameters()).device
     packed = pack_sequences([torch.tensor(s, dtype=torch.long) for s in sequences])
-    with layout.attention.micro_batch(layout.cp_group, layout.cp_size, packed.seq_ids):
-        scores = model(
-            input_ids=packed.input_ids[None].to(device),
-            position_ids=packed.position_ids[None].to(device),
-            use_cache=False,
-        )[0].float()
-    return scores[packed.cu_seqlens[1:].to(device) - 1]
+    ids, positions, last = (
+        to_device(t, device)
+        for t in (packed.input_ids, packed.position_ids, packed.cu_seqlens[1:] - 1)
+    )
+    with layout.attention.micro_batch(layout.cp_group, layout.cp_size, packed.seq_ids, device):
+        scores = model(input_ids=ids[None], position_ids=positions[None], use_cache=False)[
+            0
+        ].float()
+    return scores[last]
 
 
 def _pair_pass(

@@ -42,6 +42,7 @@ from torch import nn
 from areal_cli.config.schema import NormConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import advantages, attention, collectives, losses
+from areal_cli.trainer.attention import to_device
 from areal_cli.trainer.layout import StepLayout
 from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
 
@@ -118,6 +119,31 @@ def _slice_for_context_parallel(mb: dict[str, torch.Tensor], layout: StepLayout)
     return attention.local_slice(len(mb["input_ids"]), layout.cp_size, layout.cp_rank)
 
 
+@dataclass
+class DeviceBatch:
+    """A packed micro-batch ready to run: its label-space tensors (`label_space`; this
+    rank's slice under context parallelism, plus `seq_counts`) on the model's device, and
+    the attention's planned context. Everything the forward needs from the host is here,
+    so the forward and backward need no host sync."""
+
+    tensors: dict[str, torch.Tensor]
+    context: Any  # attention._Context
+
+
+def device_batch(
+    model: nn.Module, batch: RolloutBatch, seqs: list[int], layout: StepLayout
+) -> DeviceBatch:
+    """Pack `seqs`, slice them for this rank, plan the attention, and copy both to the
+    model's device without waiting (`attention.to_device`)."""
+    mb = label_space([batch.sequence(i) for i in seqs])
+    device = next(model.parameters()).device
+    here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
+    local = {k: to_device(v[here], device) for k, v in mb.items() if k != "seq_counts"}
+    local["seq_counts"] = to_device(mb["seq_counts"], device)
+    context = layout.attention.prepare(layout.cp_group, layout.cp_size, mb["seq_ids"], device)
+    return DeviceBatch(local, context)
+
+
 def forward_logprobs(
     model: nn.Module,
     batch: RolloutBatch,
@@ -133,12 +159,21 @@ def forward_logprobs(
     tensor parallelism, saved where nobody logs it), the per-position tensors of the
     slice, plus `seq_counts`, and with `support` (token ids) `support_logp`: each
     position's mean logprob over them)."""
-    mb = label_space([batch.sequence(i) for i in seqs])
-    device = next(model.parameters()).device
-    here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
-    context = layout.attention.micro_batch(layout.cp_group, layout.cp_size, mb["seq_ids"])
-    local = {k: v[here].to(device) for k, v in mb.items() if k != "seq_counts"}
-    with context:
+    ready = device_batch(model, batch, seqs, layout)
+    return logprobs_of(model, ready, temperature, layout, support, entropy)
+
+
+def logprobs_of(
+    model: nn.Module,
+    ready: DeviceBatch,
+    temperature: float,
+    layout: StepLayout,
+    support: torch.Tensor | None = None,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """`forward_logprobs` of a micro-batch already on the device."""
+    local = dict(ready.tensors)
+    with layout.attention.running(ready.context):
         logits = model(
             input_ids=local["input_ids"][None],
             position_ids=local["position_ids"][None],
@@ -147,10 +182,9 @@ def forward_logprobs(
     logp, ent = losses.label_logprobs_and_entropy(
         logits, local["labels"], temperature, layout.vocab, entropy
     )
-    local["seq_counts"] = mb["seq_counts"].to(device)
     if support is not None:
         local["support_logp"] = losses.support_logprob_mean(
-            logits, support.to(device), layout.vocab
+            logits, to_device(support, logits.device), layout.vocab
         )
     return logp, ent, local
 
@@ -170,7 +204,7 @@ def empty_forward(model: nn.Module, layout: StepLayout) -> torch.Tensor:
     device = next(model.parameters()).device
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     with layout.attention.micro_batch(
-        layout.cp_group, layout.cp_size, torch.arange(layout.cp_size)
+        layout.cp_group, layout.cp_size, torch.arange(layout.cp_size), device
     ):
         out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
     logits = out if torch.is_tensor(out) else out.logits  # a scalar head returns its scores
@@ -253,15 +287,25 @@ class Stats:
 
     def __init__(self, sum_keys: list[str], max_keys: list[str]) -> None:
         self.sums: dict[str, Any] = dict.fromkeys(sum_keys, 0.0)
-        self.maxes: dict[str, float] = dict.fromkeys(max_keys, -math.inf)
+        self.maxes: dict[str, Any] = dict.fromkeys(max_keys, -math.inf)
 
     def add(self, key: str, value: Any) -> None:
         if torch.is_tensor(value):
             value = value.detach().to(torch.float64)
         self.sums[key] = self.sums[key] + value
 
-    def max(self, key: str, value: float) -> None:
-        self.maxes[key] = max(self.maxes[key], float(value))
+    def max(self, key: str, value: Any) -> None:
+        current = self.maxes[key]
+        if torch.is_tensor(value):  # stays on its device, like the sums
+            value = value.detach().to(torch.float64)
+            if torch.is_tensor(current):
+                self.maxes[key] = torch.maximum(value, current)
+            else:
+                self.maxes[key] = value.clamp(min=current)
+        elif torch.is_tensor(current):
+            self.maxes[key] = current.clamp(min=float(value))
+        else:
+            self.maxes[key] = max(current, float(value))
 
     def reduce(self, group: Any = None) -> dict[str, float]:
         sums = collectives.reduce_values(list(self.sums.values()), "sum", group)
@@ -503,12 +547,26 @@ def _train_minibatch(run: _StepRun, m: int, inputs: _Inputs) -> None:
             (empty_forward(run.model, layout) * layout.data_world).backward()
             continue
         seqs = [run.shards[m][i] for i in mb]
-        with _SavedForBackward() as saved:
-            logp, entropy, t = forward_logprobs(run.model, run.batch, seqs, run.temperature, layout)
-        run.stats.max("activation_bytes", saved.bytes)
-        loss, lstats = _micro_batch_loss(run, (m, j), seqs, logp, t, inputs, normalizer)
-        (loss * layout.data_world).backward()
-        _record(run.stats, loss, lstats, entropy, t["loss_mask"].bool(), t)
+        ready = device_batch(run.model, run.batch, seqs, layout)
+        _train_micro_batch(run, (m, j), seqs, ready, inputs, normalizer)
+
+
+def _train_micro_batch(
+    run: _StepRun,
+    at: tuple[int, int],
+    seqs: list[int],
+    ready: DeviceBatch,
+    inputs: _Inputs,
+    normalizer: int,
+) -> None:
+    """Forward, loss, backward and stats of one micro-batch already on the device: no
+    host sync in here (tests/unit/test_no_host_sync.py holds it to that)."""
+    with _SavedForBackward() as saved:
+        logp, entropy, t = logprobs_of(run.model, ready, run.temperature, run.layout)
+    run.stats.max("activation_bytes", saved.bytes)
+    loss, lstats = _micro_batch_loss(run, at, seqs, logp, t, inputs, normalizer)
+    (loss * run.layout.data_world).backward()
+    _record(run.stats, loss, lstats, entropy, t["loss_mask"].bool(), t)
 
 
 def _micro_batch_loss(
@@ -529,7 +587,7 @@ def _micro_batch_loss(
     else:
         # one more value (0) for the filler sequence a context-parallel micro-batch may end with
         adv_seq = inputs.adv_seq
-        values = torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]).to(logp.device)
+        values = to_device(torch.cat([adv_seq[seqs], adv_seq.new_zeros(1)]), logp.device)
         adv = losses.broadcast_to_tokens(values, mask, t["seq_ids"])
     clip = {"eps_clip": cfg.eps_clip, "eps_clip_higher": cfg.eps_clip_higher, "c_clip": cfg.c_clip}
     if cfg.importance_sampling_level == "sequence":  # GSPO (context parallelism is refused)
@@ -537,7 +595,7 @@ def _micro_batch_loss(
     proximal = _proximal(run, m, j, logp, t, inputs)
     if inputs.m2_cutoffs is not None and math.isfinite(inputs.m2_cutoffs[m]):
         kept = mask & ((proximal - t["logprobs"]) ** 2 <= inputs.m2_cutoffs[m])
-        run.stats.add("m2_dropped", float((mask & ~kept).sum()))
+        run.stats.add("m2_dropped", (mask & ~kept).sum())
         mask = kept  # dropped tokens: no loss, still counted by the normalizer (M2PO)
     if cfg.use_sapo_loss:
         tau = {"tau_pos": cfg.sapo_tau_pos, "tau_neg": cfg.sapo_tau_neg}
@@ -600,7 +658,7 @@ def _approximation_errors(run: _StepRun, logp, t: dict, exact, version) -> None:
     }
     for name, guess in guesses.items():
         run.stats.add(f"prox_{name}_abs_err", ((guess - exact).abs() * mask).sum())
-    run.stats.add("prox_compared", float(mask.sum()))
+    run.stats.add("prox_compared", mask.sum())
 
 
 def _step_stats(
@@ -701,10 +759,12 @@ def global_normalizer(batch: RolloutBatch, seqs: list[int], mode: str) -> int:
 
 
 def _record(stats: Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
-    n_tok = float(mask.sum())
+    """Add a micro-batch's figures to the sums; every value stays where it was computed
+    (no host sync between micro-batches)."""
+    n_tok = mask.sum()
     stats.add("loss", loss.detach())
     stats.add("loss_tokens", n_tok)
-    stats.add("tokens", float(t["real"].sum()))
+    stats.add("tokens", t["real"].sum())
     stats.add("entropy_sum", (entropy * mask).sum())
     stats.add("clip_frac_sum", lstats["clip_frac"] * n_tok)
     if "dual_clip_frac" in lstats:
@@ -714,7 +774,7 @@ def _record(stats: Stats, loss, lstats: dict, entropy, mask, t: dict) -> None:
         stats.max("imp_weight_max", lstats["imp_weight_max"])
         stats.add("imp_weight_dropped", lstats["imp_weight_drop_frac"] * n_tok)
         stats.add("imp_weight_clamped", lstats["imp_weight_clamp_frac"] * n_tok)
-        kept = n_tok * (1.0 - float(lstats["imp_weight_drop_frac"]))
+        kept = n_tok * (1.0 - lstats["imp_weight_drop_frac"])
         stats.add("behave_kl_sum", lstats["behave_approx_kl"] * kept)
     stats.add("behav_logprob_sum", (t["logprobs"] * mask).sum())
 

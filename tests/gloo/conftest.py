@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from areal_cli.rundir.batch import RolloutBatch, write_batch
+from areal_cli.trainer.attention import KERNEL_ENV
 from tests.conftest import free_port
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -137,6 +139,8 @@ def torchrun_target(nproc: int, *target: str, timeout: float = 300) -> subproces
         "HOME": str(Path.home()),
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }
+    if KERNEL_ENV in os.environ:  # scripts/gpu_bench.py --trainer-attention
+        env[KERNEL_ENV] = os.environ[KERNEL_ENV]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result

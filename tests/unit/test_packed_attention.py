@@ -126,3 +126,89 @@ def test_the_forward_and_backward_read_nothing_back_from_the_device(
         (out * out2).sum().backward()
     monkeypatch.undo()
     torch.testing.assert_close(out, _reference(q, k, v, lengths), rtol=1e-10, atol=1e-10)
+
+
+def _stand_in(causal_key: str, seen: list[dict]):
+    """A CPU stand-in for torch's varlen kernel (FlashAttention runs on CUDA only): it
+    checks what it is given as the real signature takes it, and computes per-sequence
+    SDPA (`attention.sequence_attention`). Tests the packing around the kernel (layouts,
+    cumulative lengths, grouped heads, the causal keyword), not the kernel."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, enable_gqa=False, **kw):
+        assert q.dim() == 3 and q.is_contiguous() and cu_q.dtype == torch.int32
+        assert torch.equal(cu_q, cu_k) and max_q == max_k
+        assert kw == (
+            {"window_size": (-1, 0)} if causal_key == "window_size" else {"is_causal": True}
+        )
+        bounds = cu_q.tolist()
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        assert max_q == max(b - a for a, b in spans)
+        seen.append({"spans": spans, "gqa": enable_gqa})
+        return attention.sequence_attention(q, k, v, spans, scale)
+
+    params = {"window_size": (-1, 0)} if causal_key == "window_size" else {"is_causal": True}
+    return lambda: (varlen_attn, params, causal_key == "window_size")
+
+
+@pytest.mark.parametrize("causal_key", ["window_size", "is_causal"])
+@pytest.mark.parametrize("lengths", [[5, 3, 7, 1, 6], [16] * 4, [33]])
+def test_varlen_path_equals_one_call_per_sequence(causal_key, lengths, monkeypatch) -> None:
+    """The varlen kernel's path (CUDA in bf16/fp16 under auto) gets [T, H, d] with the
+    micro-batch's cumulative lengths and returns what per-sequence causal attention gives,
+    gradients included; both signatures torch has had (window_size, is_causal) work."""
+    seen: list[dict] = []
+    monkeypatch.setattr(attention, "_varlen_kernel", _stand_in(causal_key, seen))
+    torch.manual_seed(0)
+    tensors = _tensors(sum(lengths))
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    packed = attention.PackedAttention(kernel="varlen")
+    with packed.micro_batch(None, 1, ids, torch.device("cpu")) as _:
+        assert packed._current._bounds and not packed._current._plans  # planned on entry
+        out, _ = packed(None, *tensors, None, scaling=0.25)
+    grads = torch.autograd.grad((out * out.detach().cos()).sum(), tensors)
+    ref = _reference(*tensors, lengths)
+    ref_grads = torch.autograd.grad((ref * ref.detach().cos()).sum(), tensors)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert seen[0]["spans"] == list(zip(bounds[:-1], bounds[1:], strict=True))
+    assert seen[0]["gqa"] is (causal_key == "window_size")  # 4 query heads over 2
+    assert packed.used == {"varlen"}
+
+
+def test_auto_takes_buckets_on_the_cpu_and_plans_them_on_entry() -> None:
+    packed = attention.PackedAttention(kernel="auto")
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    with packed.micro_batch(None, 1, ids, torch.device("cpu")):
+        assert packed._current._plans and not packed._current._bounds
+        q, k, v = _tensors(5)
+        packed(None, q, k, v, None)
+    assert packed.used == {"buckets"}
+
+
+def test_the_varlen_probe_says_why_not(monkeypatch) -> None:
+    """On a CPU torch's kernel is missing, and a kernel that computes something else
+    (here: attention across the whole pack) is caught by the probe's comparison."""
+    cpu = torch.device("cpu")
+    problem = attention.varlen_problem(cpu, torch.bfloat16, 4, 2, 16)
+    assert problem is not None and "NotImplementedError" in problem
+
+    def across_the_pack(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **kw):
+        return attention.sequence_attention(q, k, v, [(0, q.shape[0])], scale)
+
+    monkeypatch.setattr(
+        attention, "_varlen_kernel", lambda: (across_the_pack, {"window_size": (-1, 0)}, True)
+    )
+    problem = attention.varlen_problem(cpu, torch.float32, 4, 2, 16)
+    assert problem is not None and "differs from per-sequence SDPA" in problem
+    monkeypatch.setattr(attention, "_varlen_kernel", _stand_in("window_size", []))
+    assert attention.varlen_problem(cpu, torch.float32, 4, 2, 16) is None
+
+
+def test_the_kernel_variable_is_checked(monkeypatch) -> None:
+    monkeypatch.setenv(attention.KERNEL_ENV, "flash")
+    with pytest.raises(ValueError, match="AREAL_TRAINER_ATTENTION='flash'"):
+        attention.PackedAttention()
+    monkeypatch.setenv(attention.KERNEL_ENV, "buckets")
+    assert attention.PackedAttention().kernel == "buckets"
