@@ -127,7 +127,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--workdir", type=Path, default=Path("~/.cache/areal/bench"))
     parser.add_argument("--repeats", type=int, default=3, help="Throughput runs (best).")
-    parser.add_argument("--reloads", type=int, default=3, help="Reload timings (median).")
+    parser.add_argument("--reloads", type=int, default=3, help="Reload timings (median); 0: none.")
     default_vllm = REPO / ".venv-vllm" / "bin" / "python"
     parser.add_argument(
         "--vllm-python",
@@ -333,7 +333,9 @@ def main() -> int:
     reqs = make_requests(args.requests, vocab, args.seed, args.new_tokens)
     best: dict[str, tuple[Throughput, Throughput | None]] = {}
     for i, dtype in enumerate(args.dtype.split(",")):
-        best[dtype] = compare(args, dtype, model_dir, alt_dir if i == 0 else None, reqs, work)
+        best[dtype] = compare(
+            args, dtype, model_dir, alt_dir if i == 0 and args.reloads > 0 else None, reqs, work
+        )
     (first, (base, _)), *rest = best.items()
     for dtype, (run, _) in rest:
         line = f"{dtype} vs {first}: server {run.rate / base.rate:.2f}x tokens/s"

@@ -1,4 +1,4 @@
-"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate] [--decode-graphs auto] [--trainer-attention auto]
+"""Usage: python scripts/gpu_bench.py [--cpu] [--part engine,trainer] [--reps 2] [--skip-generate] [--decode-graphs auto] [--trainer-attention auto] [--trainer-compile]
 
 The embedded engine's and the trainer's speed on one GPU (issues 44 and 45), each against
 the loop a user has without SGLang, vLLM or a framework, on the same device in the same
@@ -43,6 +43,8 @@ torch and transformers (no network: the model is built here with random weights)
               packed attention's kernel (areal_cli.trainer.attention; auto: varlen
               FlashAttention on the GPU once its probe passes, else SDPA per padded
               width, "buckets"); the trainer rows name the one that ran.
+              --trainer-compile trains with actor.compile (each decoder layer through
+              torch.compile; the steps timed are 2.., after the compile).
 
 --cpu runs every part on the CPU with a tiny model and a small batch (CI runs it:
 tests/e2e/test_gpu_bench.py), so the script cannot rot. It prints one table; the exit
@@ -52,6 +54,7 @@ code is 1 when an exactness check fails (speed goals are reported, not enforced)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -423,6 +426,7 @@ class TrainSetup:
     mixed: tuple[int, int]
     mb_tokens: int
     steps: int
+    compile: bool = False  # the trainer with actor.compile
 
 
 GPU_TRAIN = TrainSetup(128, 128, 384, (16, 1024), 16384, 4)
@@ -477,6 +481,8 @@ def areal_trainer(work: Path, name: str, folder: Path, batches: list, setup: Tra
         "actor.mb_spec.max_tokens_per_mb": setup.mb_tokens,
         "actor.optimizer.lr": 1e-6,
     }
+    if setup.compile:
+        keys["actor.compile"] = True
     if device == "cuda":
         keys |= {"cluster.n_gpus_per_node": 1, "actor.fsdp.param_dtype": "bfloat16",
                  "actor.fsdp.reduce_dtype": "float32"}  # fmt: skip
@@ -628,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="the trainer's packed attention kernel (see the docstring)",
     )
+    parser.add_argument(
+        "--trainer-compile", action="store_true", help="the trainer with actor.compile"
+    )
     args = parser.parse_args(argv)
     os.environ["AREAL_TRAINER_ATTENTION"] = args.trainer_attention  # the trainer ranks read it
     parts = set(args.part.split(","))
@@ -655,7 +664,9 @@ def main(argv: list[str] | None = None) -> int:
                                  args.profile_steps, graphs)  # fmt: skip
             exact += check_exactness(work, setup, device, graphs)
         if "trainer" in parts:
-            speed += bench_trainer(work, setup, CPU_TRAIN if args.cpu else GPU_TRAIN, device)
+            tsetup = dataclasses.replace(CPU_TRAIN if args.cpu else GPU_TRAIN,
+                                         compile=args.trainer_compile)  # fmt: skip
+            speed += bench_trainer(work, setup, tsetup, device)
     print(f"gpu_bench{' (--cpu)' if args.cpu else ''}: torch {torch.__version__} on {where}")
     width = max(len(name) for name, *_ in speed + exact)
     for name, figures in speed:

@@ -291,6 +291,12 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = sub(MicroBatchSpec)
     weight_update: WeightUpdateConfig = sub(WeightUpdateConfig)
     gradient_checkpointing: bool = field(False, "Recompute activations in backward to save memory.")
+    compile: bool = field(
+        False,
+        "torch.compile each decoder layer of areal's own decoder (Llama, Mistral, Qwen2/3), "
+        "attention left eager; costs a compile at the first steps (about a minute on a CPU). "
+        "Off by default: it has not been measured faster yet.",
+    )
     ppo_n_minibatches: int = field(
         1, "Optimizer steps per trainer step (the batch is split into this many).", ge=1
     )

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,10 +129,13 @@ def single_rank(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
     )
 
 
-def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> nn.Module:
+def parallelize(
+    model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig, compile_layers: bool = False
+) -> nn.Module:
     """Apply tensor parallelism (t > 1), then FSDP2 to `model` in place: each wrapped
     block, then the root, over the dp x cp ranks; or nothing but the attention on the
-    `single_rank` path."""
+    `single_rank` path. `compile_layers` (actor.compile): between the two, each block of
+    our own decoder is compiled (`compile_blocks`)."""
     mesh = tmesh.fsdp
     if cfg.offload_params and mesh.device_type == "cpu":
         raise ValueError(
@@ -161,6 +166,8 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
             f"FSDP wrap policy matched no module (looked for {sorted(classes) or 'nothing'}); "
             "set actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap to the model's layer class"
         )
+    if compile_layers:
+        compile_blocks(model, blocks)
     if single_rank(model, tmesh, cfg):
         return model
     # imported past the single-rank return: FSDP pulls in DTensor, ~1 s of a rank's start
@@ -176,6 +183,39 @@ def parallelize(model: nn.Module, tmesh: TrainerMesh, cfg: FSDPEngineConfig) -> 
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def compile_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """torch.compile each block in place (`Module.compile`, shapes dynamic: micro-batches
+    differ in length), after tensor parallelism and before FSDP2, as torchtitan does. The
+    packed attention stays eager (it plans per micro-batch on the host, and its kernels are
+    fused already): the model calls it through `torch.compiler.disable`, so each layer is
+    two graphs, around it. Our own decoder only: another model runs as it is, said once."""
+    if not _own(model):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"[trainer] actor.compile: {type(model).__name__} is not areal's own decoder "
+                "(Llama, Mistral, Qwen2, Qwen3); it runs uncompiled",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    import torch._dynamo
+
+    # every layer is its own module: room for each, plus recompiles as lengths turn dynamic
+    torch._dynamo.config.cache_size_limit = max(
+        torch._dynamo.config.cache_size_limit, 2 * len(blocks) + 8
+    )
+    model.attention = torch.compiler.disable(model.attention)
+    for block in blocks:
+        block.compile(dynamic=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"[trainer] actor.compile: {len(blocks)} decoder layers go through torch.compile "
+            "(the first steps compile them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class ScalarHeadModel(nn.Module):
@@ -237,6 +277,7 @@ def build_sharded_model(
     *,
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
+    compile_layers: bool = False,
     lora: LoraSpec | None = None,
     seed: int = 0,
 ) -> nn.Module:
@@ -244,7 +285,8 @@ def build_sharded_model(
     Llama family (areal_cli.models.decoder), transformers' for any other; or a
     `ScalarHeadModel` when `model_dir` is a sequence-classification folder. With `lora`,
     the targeted linear layers get adapters (areal_cli.models.lora), fresh from `seed`
-    and alike on every rank, and only the adapters train."""
+    and alike on every rank, and only the adapters train. `compile_layers`: see
+    `parallelize`."""
     import torch.distributed as dist
 
     from areal_cli.models import lora as lora_lib
@@ -269,7 +311,7 @@ def build_sharded_model(
         lora_lib.inject(model, lora)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    parallelize(model, tmesh, cfg)
+    parallelize(model, tmesh, cfg, compile_layers)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if tmesh.mesh.device_type == "cuda"

@@ -342,4 +342,8 @@ def _scheduler_key(name: str) -> str:
 
 def model_options(cfg: ExperimentConfig) -> dict[str, Any]:
     """How the trained models are built (build_sharded_model's options)."""
-    return {"dtype": cfg.model.dtype, "gradient_checkpointing": cfg.actor.gradient_checkpointing}
+    return {
+        "dtype": cfg.model.dtype,
+        "gradient_checkpointing": cfg.actor.gradient_checkpointing,
+        "compile_layers": cfg.actor.compile,
+    }

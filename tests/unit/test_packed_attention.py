@@ -212,3 +212,47 @@ def test_the_kernel_variable_is_checked(monkeypatch) -> None:
         attention.PackedAttention()
     monkeypatch.setenv(attention.KERNEL_ENV, "buckets")
     assert attention.PackedAttention().kernel == "buckets"
+
+
+@pytest.mark.slow
+def test_compiled_layers_equal_eager_ones() -> None:
+    """actor.compile's `compile_blocks` on our decoder with the packed attention: dynamo
+    compiles the layers (graphs around the eager attention), and a forward and backward
+    over two packed micro-batches of different lengths give eager's numbers."""
+    import copy
+
+    import torch._dynamo
+
+    from areal_cli.models.decoder import DecoderConfig, DecoderLM
+    from areal_cli.trainer.parallelize import compile_blocks
+
+    cfg = DecoderConfig.from_dict(
+        {
+            "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 128,
+        }
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = DecoderLM(cfg).float()
+    packed = attention.PackedAttention()
+    eager.attention = packed
+    compiled = copy.deepcopy(eager)
+    compiled.attention = packed
+    compile_blocks(compiled, list(compiled.model.layers))
+    torch._dynamo.utils.counters.clear()
+    for lengths in ([5, 9, 3], [17, 2]):
+        ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        tokens = torch.randint(0, 64, (1, len(ids)))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        outs = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            with packed.micro_batch(None, 1, ids, torch.device("cpu")):
+                logits = model(input_ids=tokens, position_ids=positions).logits
+            logits.square().mean().backward()
+            outs.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(outs[0][1], outs[1][1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
