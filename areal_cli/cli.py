@@ -314,6 +314,7 @@ def _trainer_layout(loaded: LoadedConfig, result: CheckResult) -> list[str] | No
         if cfg.algorithm in SUPERVISED
         else cfg.dataset.max_prompt_len + cfg.gconfig.max_new_tokens,
         cfg.actor.fsdp.param_dtype or cfg.model.dtype,  # what the model computes in
+        gpu=cfg.cluster.n_gpus_per_node > 0,
     )
 
 

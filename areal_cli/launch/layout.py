@@ -25,6 +25,10 @@ Memory per rank, in the model's dtype unless said (AdamW keeps two fp32 states):
                           (no flash kernel). Attention runs per packed sequence
                           (areal_cli.trainer.attention), so a micro-batch's scores are
                           sum(len^2) <= longest x tokens, not tokens^2
+  attention (flash)       instead, on GPUs in bf16/fp16, where the trainer's varlen
+                          FlashAttention keeps only each query's logsumexp: heads /
+                          (t x c) x tokens fp32 per layer (if its probe fails on the
+                          machine, the padded SDPA path keeps the scores above)
 The estimate shows which terms each layout divides: t divides parameters, gradients and
 optimizer states a second time and the per-token activations; c divides the activations.
 """
@@ -126,9 +130,11 @@ def memory_per_rank(
     optimizer: str = "adamw",
     seq_len: int | None = None,
     compute_dtype: str | None = None,
+    gpu: bool = False,
 ) -> dict[str, float]:
     """Bytes per rank of each term in the module docstring, and their total; the model
-    computes in `compute_dtype` (mixed precision's param_dtype; default: `dtype`)."""
+    computes in `compute_dtype` (mixed precision's param_dtype; default: `dtype`), on GPUs
+    with `gpu` (then in bf16/fp16 attention is FlashAttention's)."""
     size = _BYTES[dtype]
     split, replicated = dims.split_and_replicated()
     shard = (split / tp + replicated) / (dp * cp)
@@ -144,8 +150,12 @@ def memory_per_rank(
         "activations": local_tokens * dims.layers * per_token_layer * 4,
         "logits": local_tokens * dims.vocab / tp * 2 * _BYTES[compute_dtype or dtype]
         + min(local_tokens * dims.vocab / tp, LOGITS_CHUNK_ELEMENTS) * 3 * 4,
-        "attention scores": dims.layers * dims.heads / (tp * cp) * tokens * span * 4,
     }
+    per_query = dims.layers * dims.heads / (tp * cp) * tokens * 4
+    if gpu and (compute_dtype or dtype) in ("bfloat16", "float16"):
+        terms["attention (flash)"] = per_query
+    else:
+        terms["attention scores"] = per_query * span
     terms["total"] = sum(terms.values())
     return terms
 
@@ -160,13 +170,15 @@ def describe(
     optimizer: str,
     seq_len: int | None = None,
     compute_dtype: str | None = None,
+    gpu: bool = False,
 ) -> list[str]:
-    """The lines --dry-run prints about the trainer's layout."""
+    """The lines --dry-run prints about the trainer's layout (`gpu`: it trains on GPUs)."""
     lines = [f"mesh dp {dp} x cp {cp} x tp {tp} = {dp * cp * tp} ranks:"]
     lines += ["  " + line for line in rank_grid(dp, cp, tp)]
     lines += sample_layer(dims, dp, cp, tp)
-    memory = memory_per_rank(dims, dp, cp, tp, tokens, dtype, optimizer, seq_len, compute_dtype)
-    base = memory_per_rank(dims, 1, 1, 1, tokens, dtype, optimizer, seq_len, compute_dtype)
+    how = (tokens, dtype, optimizer, seq_len, compute_dtype, gpu)
+    memory = memory_per_rank(dims, dp, cp, tp, *how)
+    base = memory_per_rank(dims, 1, 1, 1, *how)
     lines.append(
         f"memory per rank (estimate; micro-batches of {tokens} tokens; {dtype}, {optimizer}):"
     )

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,12 +72,6 @@ def kernel_choice() -> str:
     if value not in KERNELS:
         raise ValueError(f"{KERNEL_ENV}={value!r}: use one of {', '.join(KERNELS)}")
     return value
-
-
-def _say(text: str) -> None:
-    """One line about the kernel on stderr, from rank 0 only."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[trainer] packed attention: {text}", file=sys.stderr, flush=True)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -264,15 +257,18 @@ class PackedAttention:
             return False
         shape = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3])
         if shape not in self._varlen_ok:
+            from areal_cli.trainer import collectives
+
             problem = varlen_problem(*shape)
             self._varlen_ok[shape] = problem is None
             if problem is not None:
-                _say(
-                    f"varlen unavailable ({problem}); using SDPA per padded width. "
-                    f"{KERNEL_ENV}=buckets skips this check."
+                collectives.note(
+                    f"packed attention: varlen unavailable ({problem}); using SDPA per "
+                    f"padded width. {KERNEL_ENV}=buckets skips this check."
                 )
             else:
-                _say(f"varlen (FlashAttention) in {str(query.dtype)[6:]}, {shape[2]} heads")
+                dtype = str(query.dtype).removeprefix("torch.")
+                collectives.note(f"packed attention: varlen (FlashAttention) in {dtype}")
         return self._varlen_ok[shape]
 
     def __call__(

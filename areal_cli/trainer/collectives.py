@@ -26,6 +26,7 @@ tensor on the wrong device.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -56,6 +57,12 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if active() else 0
+
+
+def note(text: str) -> None:
+    """One line on stderr from rank 0 only (what the trainer chose, said once)."""
+    if rank() == 0:
+        print(f"[trainer] {text}", file=sys.stderr, flush=True)
 
 
 def device(group: Any = None) -> torch.device:

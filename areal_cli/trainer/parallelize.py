@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,14 +189,13 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     packed attention stays eager (it plans per micro-batch on the host, and its kernels are
     fused already): the model calls it through `torch.compiler.disable`, so each layer is
     two graphs, around it. Our own decoder only: another model runs as it is, said once."""
+    from areal_cli.trainer import collectives
+
     if not _own(model):
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"[trainer] actor.compile: {type(model).__name__} is not areal's own decoder "
-                "(Llama, Mistral, Qwen2, Qwen3); it runs uncompiled",
-                file=sys.stderr,
-                flush=True,
-            )
+        collectives.note(
+            f"actor.compile: {type(model).__name__} is not areal's own decoder "
+            "(Llama, Mistral, Qwen2, Qwen3); it runs uncompiled"
+        )
         return
     import torch._dynamo
 
@@ -209,13 +206,10 @@ def compile_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
     model.attention = torch.compiler.disable(model.attention)
     for block in blocks:
         block.compile(dynamic=True)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"[trainer] actor.compile: {len(blocks)} decoder layers go through torch.compile "
-            "(the first steps compile them)",
-            file=sys.stderr,
-            flush=True,
-        )
+    collectives.note(
+        f"actor.compile: {len(blocks)} decoder layers go through torch.compile "
+        "(the first steps compile them)"
+    )
 
 
 class ScalarHeadModel(nn.Module):

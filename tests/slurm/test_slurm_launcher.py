@@ -59,8 +59,13 @@ def _steps(job: str) -> list[tuple[str, str, str]]:
 
 
 def _job_gone(job: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout
-    return not out.strip()
+    """squeue no longer lists the job (ended, or purged: "Invalid job id"). A failed
+    squeue (slurmctld busy: "Socket timed out") says nothing: once it was read as gone,
+    and a test went on before the run had started."""
+    found = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
+    if found.returncode != 0:
+        return "Invalid job id" in found.stderr
+    return not found.stdout.strip()
 
 
 def _wait(predicate, timeout: float, what: str) -> None:

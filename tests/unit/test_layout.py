@@ -35,6 +35,17 @@ def test_each_dim_divides_what_it_should() -> None:
     assert short["attention scores"] == pytest.approx(one["attention scores"] / 8)  # per sequence
 
 
+def test_flash_attention_on_gpus_keeps_no_scores() -> None:
+    """On GPUs in bf16 the trainer's varlen FlashAttention keeps a logsumexp per query and
+    head, not the scores: the estimate drops by the longest sequence's length."""
+    scores = memory_per_rank(SMALL, 1, 1, 1, tokens=4096, compute_dtype="bfloat16")
+    flash = memory_per_rank(SMALL, 1, 1, 1, tokens=4096, compute_dtype="bfloat16", gpu=True)
+    fp32 = memory_per_rank(SMALL, 1, 1, 1, tokens=4096, gpu=True)
+    assert "attention scores" not in flash and "attention scores" in fp32
+    assert flash["attention (flash)"] == pytest.approx(scores["attention scores"] / 4096)
+    assert flash["total"] < scores["total"]
+
+
 def test_dry_run_prints_the_trainer_layout() -> None:
     result = run_areal(
         "train", "recipes/tiny_cpu.yaml", "--dry-run",
