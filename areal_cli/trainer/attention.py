@@ -401,13 +401,15 @@ def varlen_error(
     Raises whatever the kernel raises."""
     spans = [(0, 7), (7, 24)]
     g = torch.Generator().manual_seed(0)
-    host = [torch.randn(24, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
-    with torch.enable_grad():
-        q, k, v = (x.to(device, dtype).requires_grad_() for x in host)
+    # gradients even when the first forward runs under no_grad or inference_mode
+    with torch.inference_mode(False), torch.enable_grad():
+        host = [torch.randn(24, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
+        # copies (`.to` may return the tensor itself): the two passes keep apart gradients
+        q, k, v = (x.to(device, dtype).clone().requires_grad_() for x in host)
         bounds, longest = cu_seqlens(spans, device)
         out = varlen_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), bounds, longest, None)
         out.float().square().sum().backward()
-        ref_q = host[0].to(device).requires_grad_()
+        ref_q = host[0].to(device).clone().requires_grad_()
         ref = sequence_attention(ref_q, host[1].to(device), host[2].to(device), spans, None)
         ref.square().sum().backward()
     return max(

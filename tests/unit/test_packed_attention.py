@@ -204,6 +204,8 @@ def test_the_varlen_probe_says_why_not(monkeypatch) -> None:
     assert problem is not None and "differs from per-sequence SDPA" in problem
     monkeypatch.setattr(attention, "_varlen_kernel", _stand_in("window_size", []))
     assert attention.varlen_problem(cpu, torch.float32, 4, 2, 16) is None
+    with torch.inference_mode():  # a first forward without autograd still probes it
+        assert attention.varlen_problem(cpu, torch.float32, 4, 2, 16) is None
 
 
 def test_the_kernel_variable_is_checked(monkeypatch) -> None:
