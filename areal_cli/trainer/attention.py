@@ -57,6 +57,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from areal_cli.trainer.packing import to_device
+
 ATTENTION = "areal_packed"
 # Sequences are padded to a multiple of this many tokens and attended in one SDPA call
 # per width (`_bucket_attention`).
@@ -66,21 +68,14 @@ KERNELS = ("auto", "varlen", "buckets")
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def kernel_choice() -> str:
-    """The kernel AREAL_TRAINER_ATTENTION asks for (auto when unset)."""
-    value = os.environ.get(KERNEL_ENV, "auto") or "auto"
+def kernel_choice(given: str | None = None) -> str:
+    """`given`, else the kernel AREAL_TRAINER_ATTENTION asks for (auto when unset); one of
+    KERNELS, or a ValueError that names where the value came from."""
+    value = given if given is not None else os.environ.get(KERNEL_ENV) or "auto"
     if value not in KERNELS:
-        raise ValueError(f"{KERNEL_ENV}={value!r}: use one of {', '.join(KERNELS)}")
+        where = f"{KERNEL_ENV}={value!r}" if given is None else f"attention kernel {value!r}"
+        raise ValueError(f"{where}: use one of {', '.join(KERNELS)}")
     return value
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait: on CUDA it goes through
-    pinned memory with a non-blocking copy (a copy from pageable memory waits for the
-    stream); elsewhere a plain `.to`."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -197,9 +192,7 @@ class PackedAttention:
 
     def __init__(self, cp_size: int = 1, kernel: str | None = None) -> None:
         self.cp_size = cp_size
-        self.kernel = kernel_choice() if kernel is None else kernel
-        if self.kernel not in KERNELS:
-            raise ValueError(f"attention kernel {self.kernel!r}: use one of {', '.join(KERNELS)}")
+        self.kernel = kernel_choice(kernel)
         self._current: _Context | None = None
         # auto: per (device, dtype, heads, kv heads, head dim), whether varlen passed its probe
         self._varlen_ok: dict[tuple, bool] = {}

@@ -149,7 +149,7 @@ def forward_values(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's output at every position of the packed `seqs` (label space; whole
     sequences: algorithm ppo refuses context parallelism), and the packed tensors."""
-    from areal_cli.trainer.attention import to_device
+    from areal_cli.trainer.packing import to_device
     from areal_cli.trainer.step import label_space
 
     mb = label_space([batch.sequence(i) for i in seqs])

@@ -34,9 +34,8 @@ from torch import nn
 from areal_cli.config.role_sections import supervised_eval
 from areal_cli.config.schema import ExperimentConfig
 from areal_cli.data.prompts import DatasetError, format_prompt, load_prompts, reply_ids
-from areal_cli.trainer.attention import to_device
 from areal_cli.trainer.layout import StepLayout
-from areal_cli.trainer.packing import pack_sequences
+from areal_cli.trainer.packing import pack_sequences, to_device
 from areal_cli.trainer.sft import step_indices
 from areal_cli.trainer.state import Beat, TrainerState
 from areal_cli.trainer.step import (
@@ -103,10 +102,8 @@ def last_token_scores(
         for t in (packed.input_ids, packed.position_ids, packed.cu_seqlens[1:] - 1)
     )
     with layout.attention.micro_batch(layout.cp_group, layout.cp_size, packed.seq_ids, device):
-        scores = model(input_ids=ids[None], position_ids=positions[None], use_cache=False)[
-            0
-        ].float()
-    return scores[last]
+        out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+    return out[0].float()[last]
 
 
 def _pair_pass(

@@ -42,9 +42,8 @@ from torch import nn
 from areal_cli.config.schema import NormConfig, TrainEngineConfig
 from areal_cli.rundir.batch import RolloutBatch
 from areal_cli.trainer import advantages, attention, collectives, losses
-from areal_cli.trainer.attention import to_device
 from areal_cli.trainer.layout import StepLayout
-from areal_cli.trainer.packing import pack_sequences, plan_micro_batches
+from areal_cli.trainer.packing import pack_sequences, plan_micro_batches, to_device
 
 Beat = Callable[[str], None]
 PROX_APPROXIMATIONS = ("loglinear", "linear", "rollout")  # logged by prox_logp_method: metrics
@@ -134,7 +133,7 @@ def device_batch(
     model: nn.Module, batch: RolloutBatch, seqs: list[int], layout: StepLayout
 ) -> DeviceBatch:
     """Pack `seqs`, slice them for this rank, plan the attention, and copy both to the
-    model's device without waiting (`attention.to_device`)."""
+    model's device without waiting (`packing.to_device`)."""
     mb = label_space([batch.sequence(i) for i in seqs])
     device = next(model.parameters()).device
     here = _slice_for_context_parallel(mb, layout) if layout.cp_size > 1 else slice(None)
