@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 120.0  # a worker's import of the agent's module
+EXIT_WAIT_S = 5.0  # a worker whose stdout closed, before it is killed
 
 
 class AgentFailed(RuntimeError):
@@ -82,6 +83,15 @@ class _Worker:
             self.process.kill()
         return await self.process.wait()
 
+    async def exit_code(self) -> int | None:
+        """The exit code of a worker whose stdout closed (it is dying), killed if it has
+        not exited within EXIT_WAIT_S. Not killed first: Popen.kill polls the process and
+        can reap it before asyncio's watcher does, which then reports 255 for any code."""
+        try:
+            return await asyncio.wait_for(self.process.wait(), EXIT_WAIT_S)
+        except TimeoutError:
+            return await self.kill()
+
 
 class AgentPool:
     """`workers` agent processes; `run` hands an episode to a free one."""
@@ -117,7 +127,7 @@ class AgentPool:
             hello = {"error": f"it did not load the agent in {START_TIMEOUT_S:g} s"}
         if not hello or not hello.get("ready"):
             self._all.discard(worker)
-            code = await worker.kill()
+            code = await (worker.exit_code() if hello is None else worker.kill())
             said = (hello or {}).get("error") or f"it exited with code {code}"
             self._broken = PoolBroken(f"a worker for the agent {self.spec} failed to start: {said}")
             raise self._broken
@@ -157,7 +167,7 @@ class AgentPool:
         except (ConnectionError, BrokenPipeError):
             answer = None
         if answer is None:
-            code = await worker.kill()
+            code = await worker.exit_code()
             self.crashes += 1
             self._replace(worker)
             raise AgentCrashed(f"its worker died (exit code {code})")
