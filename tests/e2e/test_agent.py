@@ -58,9 +58,9 @@ def _train(tmp_path: Path, steps: int, *extra: str, env: dict | None = None) -> 
 
 def test_a_retrying_agent_learns(tmp_path: Path) -> None:
     """concat, the default, learns as the demo does: a retry extends its first answer, so
-    one sample per episode. (individual samples train in the crowd's run below; their
-    learning curve is in issue 31's note.)"""
-    steps = 10
+    one sample per episode, bar the rare reply that breaks the prefix. (individual samples
+    train in the crowd's run below; their learning curve is in issue 31's note.)"""
+    steps = 12  # at 10 the last three steps passed the bar by 0.0-0.1 (1 run in 7 missed)
     rows = _train(tmp_path, steps)
     rewards = [r["reward_mean"] for r in rows]
     assert len(rows) == steps and sum(rewards[-3:]) / 3 >= rewards[0] + 0.3, rewards
@@ -70,7 +70,15 @@ def test_a_retrying_agent_learns(tmp_path: Path) -> None:
     assert completions > episodes  # some episodes took a second turn
     # every episode that ran is counted, those of groups dropped as stale too (4 per group)
     trained = episodes - 4 * rows[-1]["dropped_stale"] - 4 * rows[-1].get("dropped_empty", 0)
-    assert samples == trained and sum(r["agent_prefix_breaks"] for r in rows) == 0
+    # A reply that does not tokenize back to the ids it was sampled as (BPE has many
+    # spellings of one text; 10,284 of 20,000 random replies here do not) breaks the
+    # prefix, and its retry starts a second sample. The model's own replies seldom do:
+    # 0-1 of ~390 episodes in 4 runs under load. (A break in a group dropped as stale
+    # adds no sample to the batches.)
+    breaks = sum(r["agent_prefix_breaks"] for r in rows)
+    counts = {k: sum(r.get(k, 0) for r in rows) for k in rows[-1] if k.startswith("agent_")}
+    assert trained <= samples <= trained + breaks, (samples, trained, counts)
+    assert breaks <= episodes / 50, counts
     assert all(r["agent_errors"] == r["agent_timeouts"] == 0 for r in rows if "agent_errors" in r)
 
 
