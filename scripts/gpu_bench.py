@@ -18,6 +18,9 @@ torch and transformers (no network: the model is built here with random weights)
   batch 1     one request of 64 new tokens against one of 2: milliseconds per decode
               step, against the bandwidth bound (the weights' bytes over the device's own
               copy rate, measured here; goal <= 2 ms on an H200).
+  resumed     the same batch once more after /release_memory_occupation and /resume (a
+              colocated run's cycle, which drops the decode graphs): tokens/s, how many
+              graphs were captured again, and the ratio to the best run.
   memory      the device's peak allocated memory over the engine's runs (on the CPU:
               the process's peak resident memory).
   profile     one torch.profiler trace of --profile-steps decode steps at batch 128:
@@ -324,6 +327,13 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
             engine_run(engine, batch, setup.new_tokens, seed=100 * (r + 1)) for r in range(reps)
         ]
         engine_rate = max(t / s for t, s in runs)
+        # a colocated run's cycle: memory given back while the trainer steps, then taken
+        # back; the graphs are captured again in the next run
+        before = engine.graph_captures
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        resumed = engine_run(engine, batch, setup.new_tokens, seed=7)
+        recaptured = engine.graph_captures - before
         one = batch[:1]
         engine_run(engine, one, setup.single_new_tokens)  # warm-up at batch 1
         long = min(
@@ -339,6 +349,9 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
     times = ", ".join(f"{t / s:,.0f}" for t, s in runs)
     rows.append((f"engine {setup.requests}x{setup.new_tokens}",
                  f"{engine_rate:,.0f} tokens/s (best of {times})"))  # fmt: skip
+    rows.append(("same, after release+resume",
+                 f"{resumed[0] / resumed[1]:,.0f} tokens/s, {recaptured} graphs captured "
+                 f"again ({resumed[0] / resumed[1] / engine_rate:.2f}x the best run)"))  # fmt: skip
     if not skip_generate:
         hf = load_hf(folder, setup.dtype, device)
         generate_run(hf, batch[:2], 4)  # warm-up

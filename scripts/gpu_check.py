@@ -193,13 +193,31 @@ def check_engine(work: Path, device: str) -> list[Row]:
             params = SamplingParams(temperature=1.0, max_new_tokens=24, sampling_seed=i)
             request = GenerateRequest(input_ids=prompt, sampling_params=params, return_logprob=True)
             worst = max(worst, logprob_gap(engine, hf, request))
-    return [
+    rows = [
         (
             "engine: logprobs vs transformers (fp32)",
             worst < 1e-3,
             f"max |d| {worst:.1e} (bound 1e-3)",
         )
     ]
+    if device == "cuda":
+        rows.append(_uniforms_row(device))
+    return rows
+
+
+def _uniforms_row(device: str) -> Row:
+    """A seeded request's random numbers (sampling.counter_uniforms, 64-bit integer
+    arithmetic that wraps) are the same on the GPU as on the CPU, bit for bit."""
+    import torch
+
+    from areal_cli.inference.sampling import counter_uniforms
+
+    seeds = torch.arange(-2000, 2000, dtype=torch.int64) * 0x1F1F1F1F1F1
+    index = torch.arange(4000, dtype=torch.int64) % 700
+    here = counter_uniforms(seeds, index)
+    there = counter_uniforms(seeds.to(device), index.to(device)).cpu()
+    same = int((here == there).sum())
+    return ("engine: seeded draws equal on GPU and CPU", same == 4000, f"{same} of 4000 equal")
 
 
 def _areal(work: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:

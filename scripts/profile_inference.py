@@ -55,7 +55,14 @@ def parse_args() -> argparse.Namespace:
 
 GROUPS = {
     "attention": ("scaled_dot_product", "flash_attention", "_efficient_attention"),
-    "linear": ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul"),
+    "linear": (
+        "aten::addmm",
+        "aten::mm",
+        "aten::bmm",
+        "aten::linear",
+        "aten::matmul",
+        "mkldnn::_linear_pointwise",
+    ),
 }
 
 

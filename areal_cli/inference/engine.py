@@ -173,6 +173,8 @@ class InferenceEngine:
         if self._model.own or adapter:  # allocated, or an adapter: read the weights now
             tensors, identity, _ = self._loader.load(Path(self.model_path))
             self._loader.swap_in(tensors, identity)
+        else:  # transformers read them: pack what it read (CPU bf16/fp16)
+            self._loader.packed.refresh()
         self._weight_version = weight_version
         self._seed_rng = random.Random(random_seed)
         self._batch = self._model.running_batch(max_running_requests)
@@ -182,6 +184,7 @@ class InferenceEngine:
             most = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
             self._graphs = DecodeGraphs(self.model, self._batch, most, mode)
         self.graph_problem: str | None = None  # why graphs were turned off, if they were
+        logger.info("decode: %s; %s", self.decode_graphs_info, self._loader.packed.describe())
         self._paused = False
         self._released: set[str] = set()  # memory tags given back (inference.memory)
         self._stopping = False
@@ -554,6 +557,11 @@ class InferenceEngine:
             self._graphs = None
             self._batch.hold_buffers = False
             return None
+
+    @property
+    def graph_captures(self) -> int:
+        """Decode graphs captured since the engine started (0 without graphs)."""
+        return self._graphs.captures if self._graphs is not None else 0
 
     @property
     def decode_graphs_info(self) -> str:

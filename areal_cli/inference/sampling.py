@@ -28,7 +28,7 @@ class SeqState:
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool
-    generator: torch.Generator | None
+    seed: int  # the token at output index n draws counter_uniforms(seed, n)
     future: concurrent.futures.Future[GenerateOutput]
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -66,7 +66,6 @@ class SeqState:
         seed = params.sampling_seed
         if seed is None:
             seed = seed_rng.getrandbits(63)
-        generator = None if params.greedy else torch.Generator().manual_seed(seed)
         future: concurrent.futures.Future[GenerateOutput] = concurrent.futures.Future()
         # RUNNING futures cannot be cancelled, so only the scheduler ever resolves them.
         future.set_running_or_notify_cancel()
@@ -75,7 +74,7 @@ class SeqState:
             prompt_ids=ids,
             params=params,
             return_logprob=request.return_logprob,
-            generator=generator,
+            seed=int(seed),
             future=future,
         )
 
@@ -155,8 +154,9 @@ BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF in _dra
 
 
 def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
-    """Inverse-CDF sample of each row in vocabulary order, with one uniform draw from each
-    request's own RNG (so a request's tokens do not depend on its batch neighbours).
+    """Inverse-CDF sample of each row in vocabulary order, with one uniform draw keyed by
+    each request's seed and token index (so a request's tokens do not depend on its batch
+    neighbours).
 
     Vocabulary order (not probability order) keeps the draw stable under tiny float
     differences between batched and solo runs. Two levels: the running sum (float64) of
@@ -197,14 +197,51 @@ def _draw(logprobs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
     return block * BLOCK + torch.minimum(offset, last)
 
 
+# SplitMix64 (Steele, Lea and Flood, 2014): its stream increment and finaliser constants,
+# written as signed int64 (the tensors' type; products wrap modulo 2**64 as unsigned ones).
+GAMMA = 0x9E3779B97F4A7C15 - 2**64
+MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z >> bits as an unsigned 64-bit shift (torch's >> on int64 keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: a bijection of 64-bit words that scatters every input bit."""
+    z = (z ^ _shift(z, 30)) * MIX1
+    z = (z ^ _shift(z, 27)) * MIX2
+    return z ^ _shift(z, 31)
+
+
+def counter_uniforms(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """float64 in [0, 1) for each (seed, index) pair (int64 tensors on one device): the
+    index-th output of a SplitMix64 stream keyed by the mixed seed, top 53 bits. A pure
+    function of the pair, so a request draws the same numbers alone or in any batch, on
+    any device, after a pause or a retract, and no per-request generator steps on the
+    host."""
+    z = _mix(_mix(seeds) + (index + 1) * GAMMA)
+    return _shift(z, 11).double() * 2.0**-53
+
+
+def signed64(value: int) -> int:
+    """A seed as the signed 64-bit word it keys (any Python int: its low 64 bits)."""
+    value &= 2**64 - 1
+    return value - 2**64 if value >= 2**63 else value
+
+
 def uniforms(seqs: list[SeqState], device: torch.device) -> torch.Tensor:
-    """One float64 draw in [0, 1) from each request's own generator (a host RNG, so a
-    seeded request draws the same numbers on any device and in any batch), as one tensor
-    on `device`. A host-to-device copy of a few bytes: it does not wait for the device."""
-    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
-    if device.type == "cpu":
-        return u
-    return u.pin_memory().to(device, non_blocking=True)
+    """One float64 draw in [0, 1) for each request's next token (`counter_uniforms` of its
+    seed and output index), computed on `device`. The keys go over in one host-to-device
+    copy of a few bytes that does not wait for the device."""
+    keys = torch.tensor(
+        [[signed64(s.seed) for s in seqs], [len(s.output_ids) for s in seqs]], dtype=torch.int64
+    )
+    if device.type != "cpu":
+        keys = keys.pin_memory().to(device, non_blocking=True)
+    return counter_uniforms(keys[0], keys[1])
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[SeqState]) -> list[tuple[int, float]]:

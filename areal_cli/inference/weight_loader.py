@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from areal_cli.inference.packed import PackedLinears
 from areal_cli.models.lora import (
     Adapter,
     AdapterError,
@@ -194,6 +195,7 @@ class WeightLoader:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, base: Path) -> None:
         self.table = WeightTable(model)
+        self.packed = PackedLinears(model)  # CPU bf16/fp16: packed again at every swap
         self.device = device
         self.base = base  # the model folder a LoRA adapter's folder is merged into
         self.lock = threading.Lock()
@@ -279,11 +281,13 @@ class WeightLoader:
             self._staging, self._serving = self._serving, self._staging
         self.served_identity = identity
         self.empty = False
+        self.packed.refresh()
 
     def release(self) -> None:
         """Give back the weights' memory and every buffer (see WeightTable.release). Hold
         `lock`."""
         self.table.release()
+        self.packed.drop()
         self._staging, self._serving, self._ahead = [], [], None
         self.served_identity = ()
         self.released = True
@@ -293,6 +297,8 @@ class WeightLoader:
         """Undo `release` (dropped CPU weights come back with the next load). Hold `lock`."""
         self.empty = not self.table.restore()
         self.released = False
+        if not self.empty:
+            self.packed.refresh()
 
     def swap_in_received(self, received: dict[str, torch.Tensor]) -> None:
         """Make a whole version received over the weight-update group the live weights
@@ -315,6 +321,7 @@ class WeightLoader:
         self.table.swap_in(self.table.match(received))
         self.served_identity = ()
         self.empty = False
+        self.packed.refresh()
 
     def watch(
         self, directory: Path, prefix: str, poll_s: float, stopping: Callable[[], bool]

@@ -6,14 +6,15 @@ from types import SimpleNamespace
 
 import torch
 
-from areal_cli.inference.sampling import BLOCK, _draw
+from areal_cli.inference.sampling import BLOCK, _draw, counter_uniforms, signed64, uniforms
+
+WORD = 2**64 - 1
 
 
 def _seqs(rows: int, seed: int) -> list[SimpleNamespace]:
     return [
         SimpleNamespace(
-            generator=torch.Generator().manual_seed(seed * 1000 + i),
-            params=SimpleNamespace(top_k=0, top_p=1.0),
+            seed=seed * 1000 + i, output_ids=[], params=SimpleNamespace(top_k=0, top_p=1.0)
         )
         for i in range(rows)
     ]
@@ -21,8 +22,41 @@ def _seqs(rows: int, seed: int) -> list[SimpleNamespace]:
 
 def _reference(logprobs: torch.Tensor, seqs: list[SimpleNamespace]) -> torch.Tensor:
     cdf = torch.cumsum(logprobs.exp().double(), dim=-1)
-    u = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in seqs])
+    u = uniforms(seqs, logprobs.device)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+
+
+def _splitmix(seed: int, index: int) -> float:
+    """counter_uniforms written out on Python's unbounded ints, masked to 64 bits."""
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & WORD
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & WORD
+        return z ^ (z >> 31)
+
+    z = mix((mix(seed & WORD) + (index + 1) * 0x9E3779B97F4A7C15) & WORD)
+    return (z >> 11) * 2.0**-53
+
+
+def test_counter_uniforms_are_splitmix64_of_seed_and_index() -> None:
+    seeds = [0, 1, 7, 2**63 - 1, -1, -(2**63), 123456789123, 2**64 + 5]
+    pairs = [(s, i) for s in seeds for i in (0, 1, 2, 1000, 2**31)]
+    got = counter_uniforms(
+        torch.tensor([signed64(s) for s, _ in pairs]), torch.tensor([i for _, i in pairs])
+    )
+    assert got.dtype == torch.float64
+    assert got.tolist() == [_splitmix(s, i) for s, i in pairs]
+
+
+def test_counter_uniforms_look_uniform_and_independent() -> None:
+    rows = torch.arange(20000)
+    u = counter_uniforms(rows % 100, rows // 100)  # 100 neighbouring seeds x 200 tokens
+    assert bool(((u >= 0) & (u < 1)).all())
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float(((counts - 2000) ** 2 / 2000).sum()) < 40  # chi-square, 9 dof: p ~ 1e-5
+    pairs = u.view(200, 100)  # a seed's draws against its neighbour's, token by token
+    neighbours = torch.stack([pairs[:, :-1].flatten(), pairs[:, 1:].flatten()])
+    assert abs(float(torch.corrcoef(neighbours)[0, 1])) < 0.03
 
 
 def test_two_level_draw_matches_one_running_sum() -> None:

@@ -1,0 +1,124 @@
+"""The engine's packed linear layers (areal_cli/inference/packed.py): same numbers as
+torch's kernels, packed again at every weight version, dropped with released weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_cli.inference import packed
+from areal_cli.inference.api import GenerateRequest, SamplingParams
+from areal_cli.inference.engine import InferenceEngine
+from areal_cli.models.decoder import DecoderConfig, DecoderLM
+
+why_not = packed.wanted(torch.device("cpu"), torch.bfloat16)
+needs_packing = pytest.mark.skipif(
+    why_not is not None, reason=f"packing does not apply here: {why_not}"
+)
+
+
+def _greedy(engine: InferenceEngine, ids: list[int]) -> tuple[list[int], list[float]]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    out = engine.generate_sync(
+        GenerateRequest(input_ids=ids, sampling_params=params, return_logprob=True), 60
+    )
+    return out.output_ids, out.output_logprobs
+
+
+def _same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> bool:
+    """The same tokens, and logprobs within bf16's tolerance against transformers."""
+    return a[0] == b[0] and max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) <= 1e-3
+
+
+def _model(bias: bool, hidden: int = 256) -> DecoderLM:
+    """Every weight of it is packed at hidden 256; at 64, only the head."""
+    cfg = DecoderConfig.from_dict({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": hidden,
+        "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 128, "attention_bias": bias,
+        "tie_word_embeddings": True,
+    })  # fmt: skip
+    torch.manual_seed(0)
+    return DecoderLM(cfg).to(torch.bfloat16).eval()
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_layers_give_torchs_numbers(bias: bool) -> None:
+    model = _model(bias)
+    ids = torch.randint(0, 300, (3, 9))
+    with torch.inference_mode():
+        plain = model(ids).logits.float()
+        layers = packed.PackedLinears(model)
+        layers.refresh()
+        assert layers.active, layers.describe()
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert layers.layers == linears
+        assert all("packed_weight" in m.__dict__ for m in layers.layers)
+        assert layers.nbytes == sum(m.weight.nbytes for m in layers.layers)
+        fast = model(ids).logits.float()
+        layers.drop()
+        again = model(ids).logits.float()
+    assert torch.equal(again, plain)  # torch's forward is back
+    if bias:  # the bias is added in fp32 inside oneDNN's kernel: within bf16 rounding
+        assert (fast - plain).abs().max() <= 0.02 * plain.abs().max()
+    else:
+        assert torch.equal(fast, plain)
+
+
+def test_tiny_layers_stay_on_torchs_kernels() -> None:
+    """Under MIN_WEIGHT elements torch's own path is the faster one at one row: at hidden
+    64 the attention projections (64x64, 64x32) stay unpacked, the MLP (64x384) and the
+    head do not."""
+    model = _model(False, hidden=64)
+    chosen = packed.PackedLinears(model).layers
+    names = {n.split(".")[-1] for n, m in model.named_modules() if m in chosen}
+    assert names == {"gate_proj", "up_proj", "down_proj", "lm_head"}, names
+    attention = packed.PackedLinears(model.model.layers[0].self_attn)
+    attention.refresh()
+    assert not attention.active and f"under {packed.MIN_WEIGHT} elements" in attention.describe()
+
+
+def test_fp32_and_off_run_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(False).float()
+    layers = packed.PackedLinears(model)
+    layers.refresh()
+    assert not layers.active and "float32" in layers.describe()
+    monkeypatch.setenv(packed.ENV, "off")
+    assert packed.wanted(torch.device("cpu"), torch.bfloat16) == f"{packed.ENV}=off"
+    monkeypatch.setenv(packed.ENV, "fast")
+    with pytest.raises(ValueError, match="must be auto or off"):
+        packed.wanted(torch.device("cpu"), torch.bfloat16)
+
+
+@needs_packing
+def test_the_engine_serves_each_version_on_its_own_packed_weights(
+    tiny_model_dir: Path, tiny_model_dir_alt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed copies made from stale weights would keep serving the old version: every
+    update, and a release and the load after it, must pack again."""
+    prompt = [40, 41, 42, 43, 44]
+    monkeypatch.setenv(packed.ENV, "off")
+    with InferenceEngine(tiny_model_dir_alt, device="cpu", dtype="bfloat16") as plain:
+        want_alt = _greedy(plain, prompt)
+    monkeypatch.delenv(packed.ENV)
+    with InferenceEngine(tiny_model_dir, device="cpu", dtype="bfloat16") as eng:
+        layers = eng._loader.packed
+        assert layers.active
+        first = _greedy(eng, prompt)
+        update = eng.update_weights_from_disk(tiny_model_dir_alt, "v1")
+        assert update.ok, update.message
+        assert layers.active
+        assert _same(_greedy(eng, prompt), want_alt)
+        eng.pause("abort")
+        eng.release_memory_occupation(["weights"])
+        assert not layers.active and layers.nbytes == 0
+        eng.resume_memory_occupation(["weights"])
+        eng.continue_generation()
+        update = eng.update_weights_from_disk(tiny_model_dir, "v2")
+        assert update.ok, update.message
+        assert layers.active
+        assert _same(_greedy(eng, prompt), first)
+    assert first[0] != want_alt[0]  # the versions differ, so the checks above can fail
