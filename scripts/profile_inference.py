@@ -2,7 +2,7 @@
 
 Usage: python scripts/profile_inference.py [--model DIR | --preset tiny|small] [--batch 128]
        [--workload steady|mixed] [--dtype bfloat16] [--threads 1] [--prompt 32]
-       [--skip 4] [--seconds 4] [--rows 25]
+       [--skip 4] [--seconds 4] [--rows 25] [--shapes]
   e.g. make smollm2; python scripts/profile_inference.py
        --model ~/.cache/areal/models/smollm2-135m-instruct --batch 128 --dtype bfloat16
 
@@ -16,7 +16,7 @@ on the engine's scheduler thread.
           the last answer: prefill, decode and a shrinking batch.
 Prints the rate, the time in admission (prefill) and decode steps, the share of self
 CPU time in attention, the linear layers and the rest (element-wise ops, sampling), and
-the operators by self CPU time.
+the operators by self CPU time (--shapes: by operator and input shapes).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
         "--skip", type=int, default=4, help="Tokens every row decodes before the profile."
     )
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument(
+        "--shapes", action="store_true", help="List the operators by input shapes too."
+    )
     parser.add_argument("--workdir", type=Path, default=Path("~/.cache/areal/bench"))
     return parser.parse_args()
 
@@ -87,7 +90,7 @@ def steady(engine: InferenceEngine, args: argparse.Namespace) -> tuple[profile, 
         time.sleep(0.05)
         progress = engine.stats().progress
     before = sum(progress.values())
-    prof = profile(activities=[ProfilerActivity.CPU])
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes)
     begin = time.perf_counter()
     engine._call(prof.start)  # on the scheduler thread, between two steps
     time.sleep(args.seconds)
@@ -111,7 +114,7 @@ def mixed(engine: InferenceEngine, args: argparse.Namespace) -> tuple[profile, f
     rng = random.Random(0)
     shapes = [(rng.randint(8, 64), rng.randint(16, 128)) for _ in range(args.batch)]
     request(engine, "warm", 8, 4, 0.0).result(timeout=600)
-    prof = profile(activities=[ProfilerActivity.CPU])
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes)
     engine._call(prof.start)
     begin = time.perf_counter()
     futures = [request(engine, f"m{i}", p, n, 0.0) for i, (p, n) in enumerate(shapes)]
@@ -156,7 +159,8 @@ def main() -> int:
         + ", ".join(f"{k} {v / total:.0%}" for k, v in shares.items())
         + f", the rest {rest / total:.0%}"
     )
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    table = prof.key_averages(group_by_input_shape=args.shapes)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     return 0
 
 

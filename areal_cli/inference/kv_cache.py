@@ -242,11 +242,15 @@ class RunningBatch:
         if buf is not None and buf.shape[0] >= rows and buf.shape[2] >= columns:
             return
         have_rows, have_cols = (0, 0) if buf is None else (buf.shape[0], buf.shape[2])
+        # Only a dimension that is short grows (doubling), so that a batch filling up row
+        # by row does not double its columns with every new row.
+        new_rows, new_cols = have_rows, have_cols
         if self.hold_buffers:
             new_rows = max(self.max_rows, rows)
-        else:
+        elif rows > have_rows:
             new_rows = min(self.max_rows, max(rows, 2 * have_rows, 4))
-        new_cols = max(columns, 2 * have_cols, 64)
+        if columns > have_cols:
+            new_cols = max(columns, 2 * have_cols, 64)
         like = like or [layer.key_buf for layer in self.layers]
         for layer, ref in zip(self.layers, like, strict=True):
             for name in ("key_buf", "value_buf"):

@@ -1,5 +1,7 @@
-"""The engine's packed linear layers (areal_cli/inference/packed.py): same numbers as
-torch's kernels, packed again at every weight version, dropped with released weights."""
+"""The engine's prepared linear layers (areal_cli/inference/packed.py), packed for oneDNN
+or widened to fp32: torch's numbers, prepared again at every weight version, dropped with
+released weights. The widened kind runs on every CPU (AREAL_ENGINE_PACKED_LINEAR=widen),
+the packed kind where oneDNN has native bf16."""
 
 from __future__ import annotations
 
@@ -13,10 +15,16 @@ from areal_cli.inference.api import GenerateRequest, SamplingParams
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.models.decoder import DecoderConfig, DecoderLM
 
-why_not = packed.wanted(torch.device("cpu"), torch.bfloat16)
-needs_packing = pytest.mark.skipif(
-    why_not is not None, reason=f"packing does not apply here: {why_not}"
-)
+NATIVE, WHY = packed.choose(torch.device("cpu"), torch.bfloat16)
+KINDS = [
+    pytest.param("packed", marks=pytest.mark.skipif(NATIVE != "packed", reason=WHY)),
+    "widened",
+]
+
+
+def _use(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prepare linear layers as `kind` (auto is "packed" wherever that test runs)."""
+    monkeypatch.setenv(packed.ENV, "widen" if kind == "widened" else "auto")
 
 
 def _greedy(engine: InferenceEngine, ids: list[int]) -> tuple[list[int], list[float]]:
@@ -44,26 +52,33 @@ def _model(bias: bool, hidden: int = 256) -> DecoderLM:
     return DecoderLM(cfg).to(torch.bfloat16).eval()
 
 
-@needs_packing
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_layers_give_torchs_numbers(bias: bool) -> None:
+def test_prepared_layers_give_torchs_numbers(
+    bias: bool, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _use(kind, monkeypatch)
     model = _model(bias)
     ids = torch.randint(0, 300, (3, 9))
     with torch.inference_mode():
         plain = model(ids).logits.float()
         layers = packed.PackedLinears(model)
         layers.refresh()
-        assert layers.active, layers.describe()
+        assert layers.active and layers.kind == kind, layers.describe()
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         assert layers.layers == linears
-        assert all("packed_weight" in m.__dict__ for m in layers.layers)
-        assert layers.nbytes == sum(m.weight.nbytes for m in layers.layers)
+        copy = "packed_weight" if kind == "packed" else "wide_weight"
+        assert all(copy in m.__dict__ for m in layers.layers)
+        weights = sum(m.weight.nbytes for m in layers.layers)
+        biases = sum(m.bias.nbytes for m in layers.layers if m.bias is not None)
+        assert layers.nbytes == (weights if kind == "packed" else 2 * (weights + biases))
         fast = model(ids).logits.float()
         layers.drop()
+        assert not any(copy in m.__dict__ for m in layers.layers)
         again = model(ids).logits.float()
     assert torch.equal(again, plain)  # torch's forward is back
-    if bias:  # the bias is added in fp32 inside oneDNN's kernel: within bf16 rounding
-        assert (fast - plain).abs().max() <= 0.02 * plain.abs().max()
+    if bias or kind == "widened":  # a fused bias, or sums in another order: bf16 rounding
+        assert 0 < (fast - plain).abs().max() <= 0.02 * plain.abs().max()
     else:
         assert torch.equal(fast, plain)
 
@@ -87,26 +102,31 @@ def test_fp32_and_off_run_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
     layers.refresh()
     assert not layers.active and "float32" in layers.describe()
     monkeypatch.setenv(packed.ENV, "off")
-    assert packed.wanted(torch.device("cpu"), torch.bfloat16) == f"{packed.ENV}=off"
+    assert packed.choose(torch.device("cpu"), torch.bfloat16) == (None, f"{packed.ENV}=off")
+    monkeypatch.setenv(packed.ENV, "widen")
+    assert packed.choose(torch.device("cpu"), torch.float32)[0] is None
     monkeypatch.setenv(packed.ENV, "fast")
-    with pytest.raises(ValueError, match="must be auto or off"):
-        packed.wanted(torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="must be one of auto, widen, off"):
+        packed.choose(torch.device("cpu"), torch.bfloat16)
 
 
-@needs_packing
-def test_the_engine_serves_each_version_on_its_own_packed_weights(
-    tiny_model_dir: Path, tiny_model_dir_alt: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_engine_serves_each_version_on_its_own_prepared_weights(
+    kind: str,
+    tiny_model_dir: Path,
+    tiny_model_dir_alt: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Packed copies made from stale weights would keep serving the old version: every
-    update, and a release and the load after it, must pack again."""
+    """Copies made from stale weights would keep serving the old version: every update,
+    and a release and the load after it, must prepare them again."""
     prompt = [40, 41, 42, 43, 44]
     monkeypatch.setenv(packed.ENV, "off")
     with InferenceEngine(tiny_model_dir_alt, device="cpu", dtype="bfloat16") as plain:
         want_alt = _greedy(plain, prompt)
-    monkeypatch.delenv(packed.ENV)
+    _use(kind, monkeypatch)
     with InferenceEngine(tiny_model_dir, device="cpu", dtype="bfloat16") as eng:
         layers = eng._loader.packed
-        assert layers.active
+        assert layers.active and layers.kind == kind
         first = _greedy(eng, prompt)
         update = eng.update_weights_from_disk(tiny_model_dir_alt, "v1")
         assert update.ok, update.message
