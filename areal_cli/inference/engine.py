@@ -173,7 +173,7 @@ class InferenceEngine:
         if self._model.own or adapter:  # allocated, or an adapter: read the weights now
             tensors, identity, _ = self._loader.load(Path(self.model_path))
             self._loader.swap_in(tensors, identity)
-        else:  # transformers read them: pack what it read (CPU bf16/fp16)
+        else:  # transformers read them: prepare what it read (CPU bf16/fp16)
             self._loader.packed.refresh()
         self._weight_version = weight_version
         self._seed_rng = random.Random(random_seed)

@@ -28,7 +28,7 @@ class SeqState:
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool
-    seed: int  # the token at output index n draws counter_uniforms(seed, n)
+    seed: int  # signed 64-bit; the token at output index n draws counter_uniforms(seed, n)
     future: concurrent.futures.Future[GenerateOutput]
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -74,7 +74,7 @@ class SeqState:
             prompt_ids=ids,
             params=params,
             return_logprob=request.return_logprob,
-            seed=int(seed),
+            seed=signed64(int(seed)),
             future=future,
         )
 
@@ -237,7 +237,7 @@ def uniforms(seqs: list[SeqState], device: torch.device) -> torch.Tensor:
     seed and output index), computed on `device`. The keys go over in one host-to-device
     copy of a few bytes that does not wait for the device."""
     keys = torch.tensor(
-        [[signed64(s.seed) for s in seqs], [len(s.output_ids) for s in seqs]], dtype=torch.int64
+        [[s.seed for s in seqs], [len(s.output_ids) for s in seqs]], dtype=torch.int64
     )
     if device.type != "cpu":
         keys = keys.pin_memory().to(device, non_blocking=True)

@@ -195,7 +195,7 @@ class WeightLoader:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, base: Path) -> None:
         self.table = WeightTable(model)
-        self.packed = PackedLinears(model)  # CPU bf16/fp16: packed again at every swap
+        self.packed = PackedLinears(model)  # CPU bf16/fp16: prepared again at every swap
         self.device = device
         self.base = base  # the model folder a LoRA adapter's folder is merged into
         self.lock = threading.Lock()

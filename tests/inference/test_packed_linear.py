@@ -41,7 +41,7 @@ def _same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) ->
 
 
 def _model(bias: bool, hidden: int = 256) -> DecoderLM:
-    """Every weight of it is packed at hidden 256; at 64, only the head."""
+    """Every weight of it is prepared at hidden 256; at 64, the MLP's and the head."""
     cfg = DecoderConfig.from_dict({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": hidden,
         "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
