@@ -553,6 +553,10 @@ class InferenceEngine:
                 raise
             self.graph_problem = f"{type(exc).__name__}: {exc}"
             logger.error("decode graphs are off for this server: %s", self.graph_problem)
+            if self.device.type == "cuda":
+                # a capture that raised may leave this thread on its side stream; later work
+                # (weight copies after the receiver's wait) must run on the default one
+                torch.cuda.set_stream(torch.cuda.default_stream(self.device))
             graphs.reset()
             self._graphs = None
             self._batch.hold_buffers = False

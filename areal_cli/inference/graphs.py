@@ -18,9 +18,10 @@ What a graph needs, and how it gets it here:
   offsets are computed inside the graph from `positions`. The KV buffers stay put: the
   running batch allocates every row up front and keeps its buffers while it is empty
   (`RunningBatch.hold_buffers`). The weights stay put too: on a GPU a weight update copies
-  into them (weight_loader.WeightTable.swap_in). A graph records the buffers' addresses,
-  so when they change (the columns grow, memory is released and resumed) every graph is
-  dropped and captured again at its next use.
+  into them (weight_loader.WeightTable.swap_in). A graph records the buffers' addresses
+  and column counts, so when they change (the columns grow, memory is released and
+  resumed, a cleared batch gets new buffers) every graph is dropped and captured again
+  at its next use.
 - Nothing on the host inside the forward: no `.item()`, no tensor made from a Python list.
 
 `mode="eager"` runs the same static step without capturing it: the CPU rehearsal of this
@@ -114,7 +115,7 @@ class DecodeGraphs:
         self.staging = torch.zeros(2, self.max_rows, 1, dtype=torch.long, pin_memory=pin)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
-        self._buffers: tuple[int, ...] = ()
+        self._buffers: tuple[tuple[int, ...], ...] = ()
         self.captures = 0  # graphs captured since the engine started (a figure for benches)
         batch.hold_buffers = True
 
@@ -145,11 +146,17 @@ class DecodeGraphs:
         stage[0, :n, 0] = torch.tensor([s.output_ids[-1] for s in seqs])
         stage[1, :n, 0] = torch.tensor(lens)
         stage[:, n:rows] = 0  # padding rows: token 0 at position 0, in a free cache row
-        self.inputs[:, :rows].copy_(stage[:, :rows], non_blocking=True)
+        # the whole (contiguous) buffer: a slice of it would be copied through a pageable
+        # temporary, synchronously; the rows past `rows` are not read by this bucket
+        self.inputs.copy_(stage, non_blocking=True)
         if self.mode == "eager":
             return self._forward(rows, width)[:n]
+        # A graph baked in the buffers' addresses and their column count (a cleared batch
+        # can get buffers of other columns at the same addresses), so both key it.
         buffers = tuple(
-            buf.data_ptr() for layer in batch.layers for buf in (layer.key_buf, layer.value_buf)
+            (buf.data_ptr(), *buf.shape)
+            for layer in batch.layers
+            for buf in (layer.key_buf, layer.value_buf)
         )
         if buffers != self._buffers:
             self.reset()
