@@ -394,8 +394,11 @@ def varlen_error(
     Raises whatever the kernel raises."""
     spans = [(0, 7), (7, 24)]
     g = torch.Generator().manual_seed(0)
-    # gradients even when the first forward runs under no_grad or inference_mode
-    with torch.inference_mode(False), torch.enable_grad():
+    # Gradients even when the first forward runs under no_grad or inference_mode; the
+    # probe's saved tensors kept as they are (the innermost hooks win), not packed into a
+    # gradient checkpoint around the layer that probes, whose recompute does not probe.
+    keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with torch.inference_mode(False), torch.enable_grad(), keep:
         host = [torch.randn(24, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
         # copies (`.to` may return the tensor itself): the two passes keep apart gradients
         q, k, v = (x.to(device, dtype).clone().requires_grad_() for x in host)
@@ -405,6 +408,7 @@ def varlen_error(
         ref_q = host[0].to(device).clone().requires_grad_()
         ref = sequence_attention(ref_q, host[1].to(device), host[2].to(device), spans, None)
         ref.square().sum().backward()
+    out, ref = out.detach(), ref.detach()  # the comparison records no graph either
     return max(
         float((out.float() - ref).abs().max()),
         float((q.grad.float() - ref_q.grad).abs().max() / ref_q.grad.abs().max()),

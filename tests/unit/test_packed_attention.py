@@ -208,6 +208,34 @@ def test_the_varlen_probe_says_why_not(monkeypatch) -> None:
         assert attention.varlen_problem(cpu, torch.float32, 4, 2, 16) is None
 
 
+def test_the_varlen_probe_inside_a_checkpointed_layer_leaves_the_checkpoint_alone(
+    monkeypatch,
+) -> None:
+    """The probe runs at the first layer's first forward, which may be inside gradient
+    checkpointing (non-reentrant: it packs every tensor saved in the forward). The
+    probe's own saved tensors must not be packed with the layer's: the recompute (which
+    does not probe again) would then not line up with them."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(attention, "_varlen_kernel", _stand_in("window_size", []))
+    cpu = torch.device("cpu")
+    probed: list[str | None] = []
+
+    def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not probed:  # as PackedAttention._use_varlen: once per process and shape
+            probed.append(attention.varlen_problem(cpu, torch.float32, 4, 2, 16))
+        return (x @ w).tanh() @ w.T
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    out = checkpoint(layer, x, w, use_reentrant=False)
+    grads = torch.autograd.grad(out.square().sum(), (x, w))
+    ref = torch.autograd.grad(layer(x, w).square().sum(), (x, w))
+    assert probed == [None]
+    for a, b in zip(grads, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_the_kernel_variable_is_checked(monkeypatch) -> None:
     monkeypatch.setenv(attention.KERNEL_ENV, "flash")
     with pytest.raises(ValueError, match="AREAL_TRAINER_ATTENTION='flash'"):
