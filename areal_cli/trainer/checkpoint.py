@@ -290,6 +290,12 @@ class Checkpointer:
             plan = self._plans[model] = _build_plan(model, fingerprint)
         return plan
 
+    def drop_plans(self) -> None:
+        """Forget every export plan. On a GPU a plan holds views of the parameters' device
+        memory, which would keep it allocated after the parameters move to host memory
+        (trainer.offload); the next export plans again."""
+        self._plans.clear()
+
     def _collect_in_background(self, parent: Path, prefix: str, keep_last: int) -> None:
         """Delete old entries while the next step trains: unlinking a few hundred MB takes
         longer than the whole rest of a publish, and nothing needs to wait for it."""

@@ -284,6 +284,7 @@ class TrainerState:
             return
         if self.offload is not None:
             self.beat.phase("offload to host memory")
+            self.checkpointer.drop_plans()  # its views would hold the device memory
             print0(f"[trainer] offloaded to host memory in {self.offload.to_host():.2f}s")
         self.beat.holds_devices = False
         self.beat.phase("devices given back")
