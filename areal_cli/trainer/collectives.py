@@ -130,15 +130,32 @@ def sum_over_shards(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _SumOverShards.apply(x, group)
 
 
+class _AllToAll(torch.autograd.Function):
+    """Chunk i of dim 0 to rank i of the group, chunk i of the result from rank i. The
+    gradient of the chunk received from rank i belongs to rank i: the backward is the
+    same exchange. Written on c10d's all_to_all_single rather than the functional one:
+    the functional collective has had autograd only in recent torch (it has none in some
+    of the versions a GPU machine runs, where gradients would pass through it wrong)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _AllToAll.apply(grad, ctx.group), None
+
+
 def all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i of `group`; chunk i of the result came from rank i.
     Differentiable: the backward is the same exchange in reverse. `x` lives on the
-    group's device (activations of the model)."""
-    from torch.distributed import _functional_collectives as funcol
-
+    group's device (activations of the model); its dim 0 divides by the group's size."""
     _check_device(x, group)
-    out = funcol.all_to_all_single(x.contiguous(), None, None, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return _AllToAll.apply(x, group)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
