@@ -106,6 +106,23 @@ GPU = Setup(SMOLLM2_360M, "bfloat16", 128, 128, 256, 64, EXACT)
 CPU = Setup(TINY, "float32", 16, 32, 32, 32, {**EXACT, "num_hidden_layers": 2})
 
 
+class Rows(list):
+    """A part's table rows, each also printed the moment it is measured, so that a run cut
+    short (the device's time limit) still shows what it measured."""
+
+    started = time.perf_counter()
+
+    def __init__(self, *rows: tuple) -> None:
+        super().__init__()
+        for row in rows:
+            self.append(row)
+
+    def append(self, row: tuple) -> None:
+        took = time.perf_counter() - Rows.started
+        print(f"[gpu_bench {took:4.0f}s] " + " | ".join(map(str, row)), flush=True)
+        super().append(row)
+
+
 def word_tokenizer(vocab_size: int):
     """A word-level tokenizer of exactly `vocab_size` entries ("w0" ... ), built here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -314,7 +331,7 @@ def bench_speed(work: Path, setup: Setup, device: str, reps: int, skip_generate:
     from areal_cli.inference.engine import InferenceEngine
 
     folder, tokenizer = build_model(work / "bench-model", setup.shape, 0, setup.dtype)
-    rows = [("model", f"{describe(setup.shape, folder)}, {setup.dtype}; tokenizer {tokenizer}")]
+    rows = Rows(("model", f"{describe(setup.shape, folder)}, {setup.dtype}; tokenizer {tokenizer}"))
     batch = prompts(setup.requests, setup.prompt_tokens, setup.shape["vocab_size"], seed=1)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -386,7 +403,7 @@ def check_exactness(
     hf = load_hf(folder, "float32", device)
     rng = random.Random(5)
     mixed = [[rng.randrange(2, vocab) for _ in range(rng.randint(3, 96))] for _ in range(64)]
-    rows = []
+    rows = Rows()
     with InferenceEngine(
         folder, dtype="float32", device=device, max_running_requests=64, decode_graphs=graphs
     ) as engine:
@@ -605,8 +622,8 @@ def bench_trainer(
     params = parameter_count(folder)
     rate = matmul_rate(device)
     vocab = setup.shape["vocab_size"]
-    rows = [("matmul rate (MFU's denominator)", f"{rate / 1e12:,.1f} TFLOP/s "
-             f"({'bf16 8192^3' if device == 'cuda' else 'fp32 1024^3'})")]  # fmt: skip
+    rows = Rows(("matmul rate (MFU's denominator)", f"{rate / 1e12:,.1f} TFLOP/s "
+                 f"({'bf16 8192^3' if device == 'cuda' else 'fp32 1024^3'})"))  # fmt: skip
     for kind in ("equal", "mixed"):
         lengths = [completions(tsetup, kind == "mixed", seed=10 + s) for s in range(tsetup.steps)]
         batches = [rollout_batch(tsetup, ls, vocab, seed=s) for s, ls in enumerate(lengths)]

@@ -613,19 +613,30 @@ def main(argv: list[str] | None = None) -> int:
             took = time.perf_counter() - start
             rows += [(check_name, ok, figures, took) for check_name, ok, figures in found]
             print(f"[gpu_check] {name} done in {took:.1f}s", flush=True)
+            if args.out:  # after every check: a run cut short by a timeout keeps its rows
+                _write_summary(args.out, summary(rows, device, args.cpu))
+    table = summary(rows, device, args.cpu)
+    print(table)
+    return 0 if all(ok for _, ok, _, _ in rows) else 1
+
+
+def summary(rows: list[tuple[str, bool, str, float]], device: str, cpu: bool) -> str:
+    """The table: the environment, then one line per check."""
     width = max(len(r[0]) for r in rows)
-    lines = [f"gpu_check ({'--cpu' if args.cpu else 'GPU'}): {environment(device)}"]
+    lines = [f"gpu_check ({'--cpu' if cpu else 'GPU'}): {environment(device)}"]
     lines += [f"{'check':<{width}}  result  seconds  figures"]
     lines += [
         f"{check:<{width}}  {'PASS' if ok else 'FAIL':<6}  {took:7.1f}  {figures}"
         for check, ok, figures, took in rows
     ]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.txt").write_text(table + "\n")
-    return 0 if all(ok for _, ok, _, _ in rows) else 1
+    return "\n".join(lines)
+
+
+def _write_summary(out: Path, table: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    temp = out / "summary.txt.tmp"
+    temp.write_text(table + "\n")
+    temp.replace(out / "summary.txt")
 
 
 if __name__ == "__main__":
