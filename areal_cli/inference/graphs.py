@@ -146,8 +146,10 @@ class DecodeGraphs:
         stage[0, :n, 0] = torch.tensor([s.output_ids[-1] for s in seqs])
         stage[1, :n, 0] = torch.tensor(lens)
         stage[:, n:rows] = 0  # padding rows: token 0 at position 0, in a free cache row
-        # the whole (contiguous) buffer: a slice of it would be copied through a pageable
-        # temporary, synchronously; the rows past `rows` are not read by this bucket
+        # The whole (contiguous) buffer: a slice of it would be copied through a pageable
+        # temporary, synchronously; the rows past `rows` are not read by this bucket. The
+        # copy is asynchronous: `stage` is written again only at the next step, after this
+        # step's sampling has copied its ids back (which waits for the stream).
         self.inputs.copy_(stage, non_blocking=True)
         if self.mode == "eager":
             return self._forward(rows, width)[:n]
