@@ -19,9 +19,9 @@ What a graph needs, and how it gets it here:
   running batch allocates every row up front and keeps its buffers while it is empty
   (`RunningBatch.hold_buffers`). The weights stay put too: on a GPU a weight update copies
   into them (weight_loader.WeightTable.swap_in). A graph records the buffers' addresses
-  and column counts, so when they change (the columns grow, memory is released and
-  resumed, a cleared batch gets new buffers) every graph is dropped and captured again
-  at its next use.
+  and layout, so when the batch replaces them (the columns grow, memory is released and
+  resumed, a cleared batch gets new buffers: `RunningBatch.generation`) every graph is
+  dropped and captured again at its next use.
 - Nothing on the host inside the forward: no `.item()`, no tensor made from a Python list.
 
 `mode="eager"` runs the same static step without capturing it: the CPU rehearsal of this
@@ -115,7 +115,7 @@ class DecodeGraphs:
         self.staging = torch.zeros(2, self.max_rows, 1, dtype=torch.long, pin_memory=pin)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
-        self._buffers: tuple[tuple[int, ...], ...] = ()
+        self._generation = -1  # of the running batch's buffers the graphs were captured on
         self.captures = 0  # graphs captured since the engine started (a figure for benches)
         batch.hold_buffers = True
 
@@ -130,7 +130,7 @@ class DecodeGraphs:
         """Drop every graph and its memory pool (the KV buffers or weights moved)."""
         self._graphs.clear()
         self._pool = None
-        self._buffers = ()
+        self._generation = -1
 
     @torch.inference_mode()
     def step(self, seqs: list[Any]) -> torch.Tensor:
@@ -153,16 +153,9 @@ class DecodeGraphs:
         self.inputs.copy_(stage, non_blocking=True)
         if self.mode == "eager":
             return self._forward(rows, width)[:n]
-        # A graph baked in the buffers' addresses and their column count (a cleared batch
-        # can get buffers of other columns at the same addresses), so both key it.
-        buffers = tuple(
-            (buf.data_ptr(), *buf.shape)
-            for layer in batch.layers
-            for buf in (layer.key_buf, layer.value_buf)
-        )
-        if buffers != self._buffers:
+        if batch.generation != self._generation:  # the graphs read replaced buffers
             self.reset()
-            self._buffers = buffers
+            self._generation = batch.generation
         entry = self._graphs.get((rows, width))
         if entry is None:
             entry = self._graphs[(rows, width)] = self._capture(rows, width)

@@ -173,6 +173,9 @@ class RunningBatch:
         # Decode graphs (inference.graphs) record the buffers' addresses: they then get
         # every row at once and keep them while the batch is empty (until `clear`).
         self.hold_buffers = False
+        # Bumped whenever the buffers are replaced or dropped: a graph recorded over
+        # older ones is stale (new buffers may even come back at the same addresses).
+        self.generation = 0
 
     def slots(self, heads: int, columns: int) -> torch.Tensor:
         """Flat [row, head, column] offsets this step writes, row-major over (row, head)."""
@@ -195,6 +198,7 @@ class RunningBatch:
         self.seqs = []
         for layer in self.layers:
             layer.key_buf = layer.value_buf = None
+        self.generation += 1
 
     @torch.inference_mode()
     def merge(self, seqs: list[SeqState], cache: Any, index: list[int]) -> None:
@@ -259,6 +263,7 @@ class RunningBatch:
                 if old is not None:
                     new[:have_rows, :, :have_cols] = old
                 setattr(layer, name, new)
+        self.generation += 1
 
     @torch.inference_mode()
     def decode_inputs(self, device: torch.device, sdpa: bool) -> dict[str, torch.Tensor]:

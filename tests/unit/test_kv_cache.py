@@ -34,3 +34,20 @@ def test_rows_and_columns_grow_apart_and_keep_their_contents() -> None:
     assert batch.layers[1].value_buf[2, 1, 39, 5] == 7.0
     assert batch.layers[1].value_buf.sum() == 7.0  # the rest is zeros, not leftovers
     assert batch.nbytes == 2 * 2 * 100 * 3 * 300 * 8 * 4
+
+
+def test_the_generation_moves_whenever_the_buffers_are_replaced() -> None:
+    """Decode graphs compare it to know that the buffers they recorded are gone (a new
+    buffer can come back at an old one's address, with another layout)."""
+    batch = RunningBatch(SimpleNamespace(num_hidden_layers=2), max_rows=8)
+    like = [torch.zeros(1, 3, 1, 8) for _ in range(2)]
+    batch.reserve(2, 10, like)
+    first = batch.generation
+    batch.reserve(2, 64)  # fits: the same buffers
+    assert batch.generation == first
+    batch.reserve(2, 65)  # more columns: new buffers
+    assert batch.generation == first + 1
+    batch.clear()
+    assert batch.generation == first + 2
+    batch.reserve(2, 65, like)
+    assert batch.generation == first + 3
