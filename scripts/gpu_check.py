@@ -614,7 +614,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += [(check_name, ok, figures, took) for check_name, ok, figures in found]
             print(f"[gpu_check] {name} done in {took:.1f}s", flush=True)
             if args.out:  # after every check: a run cut short by a timeout keeps its rows
-                _write_summary(args.out, summary(rows, device, args.cpu))
+                from areal_cli.rundir.handoff import write_text_atomic
+
+                args.out.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(args.out / "summary.txt", summary(rows, device, args.cpu) + "\n")
     table = summary(rows, device, args.cpu)
     print(table)
     return 0 if all(ok for _, ok, _, _ in rows) else 1
@@ -630,13 +633,6 @@ def summary(rows: list[tuple[str, bool, str, float]], device: str, cpu: bool) ->
         for check, ok, figures, took in rows
     ]
     return "\n".join(lines)
-
-
-def _write_summary(out: Path, table: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    temp = out / "summary.txt.tmp"
-    temp.write_text(table + "\n")
-    temp.replace(out / "summary.txt")
 
 
 if __name__ == "__main__":
