@@ -24,7 +24,7 @@ Eval: the same over every pair of `dpo.eval_path`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -98,19 +98,29 @@ def _pair_pass(
     layout: StepLayout,
     beat: Beat,
     train: bool,
+    ref_cache: RefCache | None = None,
 ) -> dict[str, float]:
     """Loss and figures over `index` (the step's or the eval's pairs): this rank's share
     in micro-batches agreed with the other ranks, the reference's forward then the
-    policy's in each; with `train`, the gradients too. Collective over every rank."""
+    policy's in each; with `train`, the gradients too. Collective over every rank.
+
+    With `ref_cache` (the held-out eval's), the reference's logprobs of each micro-batch
+    are taken from it once it holds this pass's, and kept in it otherwise: the reference
+    is frozen and the held-out pairs and their plan are the same at every eval, so they
+    never change. Every rank fills it at the same eval and then skips the same forwards."""
     mine = [index[i] for i in split_range(len(index), layout.dp_size, layout.dp_rank)]
     plan = agree_on_plans([pairs.lengths(mine)], cfg.actor)[0]
+    cached = ref_cache.lookup(plan.micro_batches) if ref_cache is not None else None
+    computed: list[torch.Tensor | None] = []
     stats = Stats(list(_SUMS), [])
     tag = "train" if train else "eval"
     for j, mb in enumerate(plan.micro_batches):
         beat(f"{tag} mb {j + 1}/{len(plan.micro_batches)}")
         if not mb:
-            with torch.no_grad():
-                empty_forward(ref, layout)
+            computed.append(None)
+            if cached is None:
+                with torch.no_grad():
+                    empty_forward(ref, layout)
             empty = empty_forward(policy, layout)
             if train:
                 (empty * layout.data_world).backward()
@@ -119,8 +129,12 @@ def _pair_pass(
         ids = [mine[i] for i in mb]
         k = len(ids)
         batch = pair_batch(pairs, ids)
-        with torch.no_grad():
-            ref_logp, _ = answer_logprobs(ref, batch, layout)
+        if cached is not None:
+            ref_logp = cached[j]
+        else:
+            with torch.no_grad():
+                ref_logp, _ = answer_logprobs(ref, batch, layout)
+        computed.append(ref_logp)
         with torch.set_grad_enabled(train):
             logp, counts = answer_logprobs(policy, batch, layout)
         a = cfg.actor
@@ -135,6 +149,8 @@ def _pair_pass(
         stats.add("logp_correct", (logp[:k] > logp[k:]).sum())
         for key in ("correct", "margin", "chosen_reward", "rejected_reward"):
             stats.add(key, s[key].sum())
+    if ref_cache is not None and cached is None:
+        ref_cache.keep(plan.micro_batches, computed)
     out = stats.reduce(layout.stats_group)
     n = max(out.pop("pairs"), 1.0)
     result = {"loss": out.pop("loss"), "pairs": n}
@@ -147,12 +163,34 @@ def _pair_pass(
 
 
 @dataclass
+class RefCache:
+    """The reference's answer logprobs per micro-batch of one pass (the held-out eval's),
+    with the micro-batches they belong to; see _pair_pass."""
+
+    micro_batches: list[list[int]] | None = None
+    logprobs: list[torch.Tensor | None] = field(default_factory=list)
+
+    def lookup(self, micro_batches: list[list[int]]) -> list[torch.Tensor | None] | None:
+        """The kept logprobs when they are this plan's; None before the first pass."""
+        if self.micro_batches is None:
+            return None
+        if self.micro_batches != micro_batches:  # the same pairs always plan the same
+            raise RuntimeError("the held-out pairs planned other micro-batches than before")
+        return self.logprobs
+
+    def keep(self, micro_batches: list[list[int]], logprobs: list[torch.Tensor | None]) -> None:
+        self.micro_batches = [list(mb) for mb in micro_batches]
+        self.logprobs = logprobs
+
+
+@dataclass
 class DPORole(PairRole):
     """algorithm: dpo, as the trainer's loop drives it (state.Role)."""
 
     train: Pairs
     held_out: Pairs | None
     ref_model: nn.Module
+    held_out_ref: RefCache = field(default_factory=RefCache)
 
     @classmethod
     def build(cls, state: TrainerState) -> DPORole:
@@ -186,7 +224,7 @@ class DPORole(PairRole):
         index = list(range(len(self.held_out)))
         out = _pair_pass(
             state.actor.model, self.ref_model, self.held_out, index, state.cfg, state.layout,
-            beat, train=False,
+            beat, train=False, ref_cache=self.held_out_ref,
         )  # fmt: skip
         return {
             "eval_loss": out["loss"],
