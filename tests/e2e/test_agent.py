@@ -148,8 +148,11 @@ def test_a_rough_crowd_of_64_episodes_finishes_its_steps(tmp_path: Path) -> None
     (code / "crowd_agent.py").write_text(CROWD)
     table, bad_log = code / "bad.json", code / "bad.log"
     table.write_text(json.dumps([[bad_body(change), named] for change, named in BAD_CHAT]))
+    # The hanging sixth times out at any limit. 3 s was too short on a loaded host: a slow
+    # server then lost most honest episodes to the timeout too, and one suite run took 10
+    # minutes (8 tok/s, ~900-2700 episodes a step) where the test alone takes ~30 s.
     rows = _train(
-        tmp_path, 3, "rollout.agent=crowd_agent:CrowdAgent", "rollout.agent_timeout_s=3",
+        tmp_path, 3, "rollout.agent=crowd_agent:CrowdAgent", "rollout.agent_timeout_s=8",
         "rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent_rollouts=16",
         "rollout.max_staleness=0", "rollout.agent_samples=individual",
         env={"PYTHONPATH": str(code), "BAD_TABLE": str(table), "BAD_LOG": str(bad_log)},
