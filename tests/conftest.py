@@ -80,22 +80,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         f.write(line)
 
 
-_CPU_LOG_START: list[int] = []  # FILE's size when this session began: its lines are ours
+_CPU_LOG_START = pytest.StashKey[int]()  # FILE's size when this session began: its lines are ours
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     out = os.environ.get("AREAL_TEST_CPU")
     if out and not hasattr(session.config, "workerinput"):  # the xdist controller, or no xdist
-        _CPU_LOG_START.append(os.path.getsize(out) if os.path.exists(out) else 0)
+        session.config.stash[_CPU_LOG_START] = os.path.getsize(out) if os.path.exists(out) else 0
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """With AREAL_TEST_CPU: the session's CPU seconds in all, and its costliest modules."""
     out = os.environ.get("AREAL_TEST_CPU")
-    if not out or not _CPU_LOG_START or not os.path.exists(out):
+    start = config.stash.get(_CPU_LOG_START, None)
+    if not out or start is None or not os.path.exists(out):
         return
     with open(out) as f:
-        f.seek(_CPU_LOG_START[0])
+        f.seek(start)
         rows = [line.rstrip("\n").split("\t") for line in f if line.count("\t") == 2]
     modules: dict[str, float] = {}
     for seconds, _, nodeid in rows:
