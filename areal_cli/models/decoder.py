@@ -8,7 +8,8 @@ shape, so one module serves them:
 
   embed -> N x [RMSNorm -> attention (q/k/v, optional biases, optional per-head q/k
   RMSNorm, rotary, grouped KV) -> residual -> RMSNorm -> SwiGLU MLP -> residual]
-  -> RMSNorm -> LM head (optionally tied to the embedding)
+  -> RMSNorm -> LM head (optionally tied to the embedding)   DecoderLM
+              -> score head, Linear(hidden, 1) per token      DecoderScorer (reward models, critics)
 
 The parameters carry transformers' names (`model.layers.0.self_attn.q_proj.weight`, ...),
 so checkpoints, weight updates and tensor-parallel plans work on either model, and the
@@ -351,9 +352,9 @@ class DecoderOutput(NamedTuple):
     logits: torch.Tensor
 
 
-class DecoderLM(nn.Module):
-    """A Llama-family causal LM (see the module docstring); parameters named as in
-    transformers' *ForCausalLM."""
+class DecoderBase(nn.Module):
+    """What the causal LM and the scalar-head model share: the body (`model.*`), the
+    attention they call, activation checkpointing; each adds its head and forward."""
 
     _no_split_modules = ["DecoderLayer"]
 
@@ -363,14 +364,11 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.checkpointing = False
         self.attention: Attention = causal_attention  # the trainer sets its packed one
 
     @classmethod
-    def on_meta(cls, cfg: DecoderConfig, dtype: torch.dtype) -> DecoderLM:
+    def on_meta(cls, cfg: DecoderConfig, dtype: torch.dtype) -> Any:
         """Parameters of `dtype` on the meta device (to be allocated and loaded), the
         rotary table real and in float32, as transformers keeps it."""
         model = cls(cfg, device="meta").to(dtype)
@@ -379,19 +377,22 @@ class DecoderLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def hidden_states(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
         *,
         attention: Attention | None = None,
         mask: torch.Tensor | None = None,
         cache: Any = None,
     ) -> torch.Tensor:
         """The final normed hidden states [batch, tokens, hidden]; `attention` defaults to
-        the model's own (`self.attention`)."""
+        the model's own (`self.attention`); position ids default to 0..tokens-1 per row."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            position_ids = position_ids.expand(input_ids.shape[0], -1)
         attention = attention or self.attention
         body = self.model
         x = body.embed_tokens(input_ids)
@@ -404,6 +405,28 @@ class DecoderLM(nn.Module):
             else:
                 x = layer(x, cos, sin, attention, mask, cache)
         return body.norm(x)
+
+    def gradient_checkpointing_enable(self, **_: Any) -> None:
+        """Recompute each layer's activations in backward (transformers' method name)."""
+        self.checkpointing = True
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+
+class DecoderLM(DecoderBase):
+    """A Llama-family causal LM (see the module docstring); parameters named as in
+    transformers' *ForCausalLM."""
+
+    def __init__(self, cfg: DecoderConfig, device: Device = None) -> None:
+        super().__init__(cfg, device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
 
     def forward(
         self,
@@ -421,23 +444,39 @@ class DecoderLM(nn.Module):
         transformers model (`model(input_ids=..., position_ids=...).logits`); position ids
         default to 0..tokens-1 per row; `use_cache` is accepted and means nothing (the
         only cache is the one passed in)."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-            position_ids = position_ids.expand(input_ids.shape[0], -1)
         x = self.hidden_states(input_ids, position_ids, attention=attention, mask=mask, cache=cache)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]
         return DecoderOutput(self.lm_head(x))
 
-    def gradient_checkpointing_enable(self, **_: Any) -> None:
-        """Recompute each layer's activations in backward (transformers' method name)."""
-        self.checkpointing = True
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+
+class DecoderScorer(DecoderBase):
+    """A Llama-family body with a scalar head (areal_cli.models.scalar_head): `score`,
+    Linear(hidden, 1) without bias at every position, for reward models and PPO critics.
+    Parameters named as in transformers' *ForSequenceClassification (`model.*`,
+    `score.weight`); it has no output embeddings, so nothing ties to the input table."""
+
+    def __init__(self, cfg: DecoderConfig, device: Device = None) -> None:
+        super().__init__(cfg, device)
+        self.score = nn.Linear(cfg.hidden_size, 1, bias=False, device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        attention: Attention | None = None,
+        mask: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+    ) -> torch.Tensor:
+        """The head's output at every position, [batch, tokens]; called as the trainer
+        calls a scalar model (`model(input_ids=..., position_ids=..., use_cache=False)`);
+        `use_cache` means nothing here."""
+        x = self.hidden_states(input_ids, position_ids, attention=attention, mask=mask)
+        return self.score(x).squeeze(-1)
 
 
 def allocate(model: nn.Module, device: Device) -> None:

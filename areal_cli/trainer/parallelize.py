@@ -83,9 +83,9 @@ def wrap_classes(model: nn.Module, cfg: FSDPEngineConfig) -> set[str]:
 
 def _own(model: nn.Module) -> bool:
     """Whether `model` is our own decoder (areal_cli.models.decoder), not transformers'."""
-    from areal_cli.models.decoder import DecoderLM
+    from areal_cli.models.decoder import DecoderBase
 
-    return isinstance(model, DecoderLM)
+    return isinstance(model, DecoderBase)
 
 
 def apply_tensor_parallel(model: nn.Module, tmesh: TrainerMesh) -> None:
@@ -276,20 +276,28 @@ def build_sharded_model(
     seed: int = 0,
 ) -> nn.Module:
     """An FSDP2-sharded causal LM with the weights of `model_dir`: our own decoder for the
-    Llama family (areal_cli.models.decoder), transformers' for any other; or a
-    `ScalarHeadModel` when `model_dir` is a sequence-classification folder. With `lora`,
+    Llama family (areal_cli.models.decoder), transformers' for any other; a scalar-head
+    model when `model_dir` is a sequence-classification folder (our `DecoderScorer` for the
+    Llama family, else `ScalarHeadModel` on transformers' body). With `lora`,
     the targeted linear layers get adapters (areal_cli.models.lora), fresh from `seed`
     and alike on every rank, and only the adapters train. `compile_layers`: see
     `parallelize`."""
     import torch.distributed as dist
 
     from areal_cli.models import lora as lora_lib
-    from areal_cli.models.decoder import DecoderConfig, DecoderLM, allocate, unsupported
+    from areal_cli.models.decoder import (
+        DecoderConfig,
+        DecoderLM,
+        DecoderScorer,
+        allocate,
+        unsupported,
+    )
     from areal_cli.models.scalar_head import is_scalar_config
 
     raw = json.loads((model_dir / "config.json").read_text())
-    if not is_scalar_config(raw) and unsupported(raw) is None:
-        model: nn.Module = DecoderLM.on_meta(DecoderConfig.from_dict(raw), torch_dtype(dtype))
+    if unsupported(raw) is None:
+        own = DecoderScorer if is_scalar_config(raw) else DecoderLM
+        model: nn.Module = own.on_meta(DecoderConfig.from_dict(raw), torch_dtype(dtype))
         config: Any = model.config
     else:
         from transformers import AutoConfig, AutoModelForCausalLM

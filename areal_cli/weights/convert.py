@@ -347,10 +347,9 @@ def convert(
     (VerifyFailed carries the verdict)."""
     import warnings
 
-    from transformers.utils import logging as hf_logging
-
+    # transformers is imported by `verify` only (its import is about a second of the
+    # conversion's CPU; nothing else here uses it).
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    hf_logging.disable_progress_bar()
     src = detect(src_path, part)
     if part != "model" and src.kind != "dcp":
         raise ConvertError(f"--part {part} picks a model inside a DCP checkpoint; {src_path} is HF")
@@ -444,9 +443,11 @@ def verify(out: Path, src: Source) -> Verdict:
     cast to the converted dtype, and the logits on a fixed input (fp32 math; for a scalar
     head, the head's output at every position) against SRC so cast and as stored."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     from areal_cli.config.model_info import is_scalar_config
 
+    hf_logging.disable_progress_bar()
     converted = detect(out)
     hf_dir = out if src.kind == "dcp" else src.path
     config = AutoConfig.from_pretrained(hf_dir)

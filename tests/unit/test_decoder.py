@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_cli.models.decoder import DecoderConfig, DecoderLM, unsupported
+from areal_cli.models.decoder import DecoderConfig, DecoderLM, DecoderScorer, unsupported
 
 SHAPE = dict(
     vocab_size=97,
@@ -69,6 +69,38 @@ def test_logits_equal_transformers(name: str, tmp_path: Path) -> None:
         last = ours(ids, positions, last=torch.tensor([5, 39])).logits
     assert (got - want).abs().max().item() <= 1e-5
     assert torch.allclose(last, got[[0, 1], [5, 39]], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama-biases", "qwen2-tied", "qwen3-head-dim"])
+def test_scores_equal_transformers_sequence_classification(name: str, tmp_path: Path) -> None:
+    """A scalar-head folder (a reward model's or critic's) built on our body gives the
+    head's output at every position as transformers' *ForSequenceClassification body
+    and `score` do, with the same tensor names and no lm_head (tied or not)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from areal_cli.models.scalar_head import make_scalar_folder
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(hf_config(name))
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.normal_(0, 0.2)
+    lm.save_pretrained(tmp_path / "lm")
+    folder = make_scalar_folder(tmp_path / "lm", tmp_path / "rm", seed=3, head_std=0.5)
+    hf = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    ours = DecoderScorer(DecoderConfig.from_folder(folder)).eval()
+    state = load_file(str(next(folder.glob("*.safetensors"))))
+    assert set(ours.state_dict()) == set(state) and "lm_head.weight" not in state
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 40))
+    positions = torch.stack([torch.arange(40), torch.arange(100, 140)])
+    with torch.no_grad():
+        hidden = hf.base_model(input_ids=ids, position_ids=positions).last_hidden_state
+        want = hf.score(hidden).squeeze(-1)
+        got = ours(input_ids=ids, position_ids=positions, use_cache=False)
+    assert got.shape == (2, 40) and want.abs().max() > 0.1
+    assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_names_and_shapes_are_transformers(tmp_path: Path) -> None:
