@@ -17,6 +17,7 @@ worker: the pool gathers the calls that arrive together into one padded forward,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +41,38 @@ class RewardModel:
         self._model: Any = None
         self._eos: int | None = None
         self._pad = 0
+        self._own = False  # our DecoderScorer (see `load`)
 
     def load(self) -> None:
+        """The Llama family loads into our own decoder's scalar model (DecoderScorer: no
+        transformers modeling import in the worker); any other architecture into
+        transformers' AutoModelForSequenceClassification."""
         import torch
-        from transformers import AutoModelForSequenceClassification
+
+        from areal_cli.models.decoder import DecoderConfig, DecoderScorer, allocate, unsupported
 
         torch.set_num_threads(1)
-        model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32)
+        config = json.loads((self.path / "config.json").read_text())
+        if unsupported(config) is None:
+            from safetensors.torch import load_file
+
+            model = DecoderScorer.on_meta(DecoderConfig.from_dict(config), torch.float32)
+            allocate(model, "cpu")
+            state: dict[str, torch.Tensor] = {}
+            for f in sorted(self.path.glob("*.safetensors")):
+                state.update(load_file(str(f)))
+            model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+            self._own = True
+        else:
+            from transformers import AutoModelForSequenceClassification
+
+            model = AutoModelForSequenceClassification.from_pretrained(
+                self.path, dtype=torch.float32
+            )
         self._model = model.eval()
-        config = model.config
-        eos = config.eos_token_id
+        eos, pad = config.get("eos_token_id"), config.get("pad_token_id")
         self._eos = eos[0] if isinstance(eos, list) else eos
-        self._pad = config.pad_token_id if config.pad_token_id is not None else 0
+        self._pad = pad if pad is not None else 0
 
     def __call__(self, completion: str, answer: str, **fields: Any) -> float:
         raise TypeError("a model reward scores token ids; the reward pool calls score_ids")
@@ -75,7 +96,10 @@ class RewardModel:
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
         with torch.inference_mode():
-            hidden = self._model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-            scores = self._model.score(hidden).squeeze(-1).float()
+            if self._own:  # right padding under causal attention: no real token sees a pad
+                scores = self._model(ids).float()
+            else:
+                out = self._model.base_model(input_ids=ids, attention_mask=mask)
+                scores = self._model.score(out.last_hidden_state).squeeze(-1).float()
         last = mask.sum(dim=1) - 1
         return scores[torch.arange(len(seqs)), last].tolist()

@@ -74,6 +74,26 @@ def test_scores_match_hf_and_do_not_depend_on_the_batch(scalar_dir: Path) -> Non
     assert model.score_ids([seqs[0][:-1]])[0] == pytest.approx(together[0], abs=1e-6)
 
 
+def test_a_llama_reward_model_scores_without_transformers_modeling(scalar_dir: Path) -> None:
+    """A Llama-family reward model runs on our decoder (DecoderScorer): the reward
+    worker never imports transformers' modeling code (seconds of its first call)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from areal_cli.rollout.reward_model import RewardModel\n"
+        f"m = RewardModel(__import__('pathlib').Path({str(scalar_dir)!r}))\n"
+        "print(m.score_ids([[5, 6, 7]])[0])\n"
+        "print(sorted(x for x in sys.modules if x.startswith(('transformers.models', "
+        "'transformers.modeling'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    float(out[0])
+    assert out[1] == "[]"
+
+
 def test_pool_batches_model_reward_calls(scalar_dir: Path) -> None:
     seqs = _sequences(scalar_dir)
     expected = RewardModel(scalar_dir).score_ids(seqs)
