@@ -3,6 +3,7 @@ models and tokenizer every package uses (built once per run)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -138,10 +139,24 @@ def areal_in_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
+def heavy_imports_after(code: str) -> tuple[list[str], list[str]]:
+    """Run `code` in a fresh interpreter: the lines it printed, and the heavy modules it
+    imported on the way (transformers' modeling code and torch._dynamo, seconds of a
+    process's start; our own decoder needs neither)."""
+    probe = (
+        "\nimport json as _j, sys as _s\n"
+        "print(_j.dumps(sorted(m for m in _s.modules if m == 'torch._dynamo' or "
+        "m.startswith(('transformers.models.', 'transformers.modeling')))))\n"
+    )
+    lines = subprocess.run(
+        [sys.executable, "-c", code + probe], capture_output=True, text=True, check=True,
+        timeout=120,
+    ).stdout.splitlines()  # fmt: skip
+    return lines[:-1], json.loads(lines[-1])
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     """Write rows as a .jsonl file; returns its path as a string (a dataset.path)."""
-    import json
-
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from areal_cli.models.scalar_head import make_scalar_folder
 from areal_cli.rollout.reward_model import RewardModel
 from areal_cli.rollout.rewards import RewardPool
-from tests.conftest import REPO, run_areal
+from tests.conftest import REPO, heavy_imports_after, run_areal
 
 
 @pytest.fixture(scope="module")
@@ -77,21 +78,13 @@ def test_scores_match_hf_and_do_not_depend_on_the_batch(scalar_dir: Path) -> Non
 def test_a_llama_reward_model_scores_without_transformers_modeling(scalar_dir: Path) -> None:
     """A Llama-family reward model runs on our decoder (DecoderScorer): the reward
     worker never imports transformers' modeling code (seconds of its first call)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from areal_cli.rollout.reward_model import RewardModel\n"
-        f"m = RewardModel(__import__('pathlib').Path({str(scalar_dir)!r}))\n"
-        "print(m.score_ids([[5, 6, 7]])[0])\n"
-        "print(sorted(x for x in sys.modules if x.startswith(('transformers.models', "
-        "'transformers.modeling'))))\n"
+    printed, heavy = heavy_imports_after(
+        "from pathlib import Path\n"
+        "from areal_cli.rollout.reward_model import RewardModel\n"
+        f"print(RewardModel(Path({str(scalar_dir)!r})).score_ids([[5, 6, 7]])[0])\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    ).stdout.splitlines()
-    float(out[0])
-    assert out[1] == "[]"
+    assert len(printed) == 1 and math.isfinite(float(printed[0]))
+    assert heavy == []
 
 
 def test_pool_batches_model_reward_calls(scalar_dir: Path) -> None:
