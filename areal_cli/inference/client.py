@@ -50,6 +50,12 @@ from areal_cli.rundir.layout import adapter_problem, is_adapter_folder
 Policy = Literal["round_robin", "least_loaded"]
 POLICIES: tuple[str, ...] = ("round_robin", "least_loaded")
 MAX_BACKOFF_S = 10.0
+# Seconds an idle pooled connection is reused for: below the 5 s after which uvicorn (the
+# HTTP server of SGLang and vLLM) closes an idle keep-alive connection. aiohttp's own 15 s
+# let a call go out on a connection the server was closing at that moment: the call then
+# failed with "the connection was closed before an answer" (seen on vLLM's /pause, a
+# one-attempt call, ~15 s after the previous control call, on a loaded 2-core host).
+KEEPALIVE_S = 2.0
 
 
 class InferenceError(RuntimeError):
@@ -658,7 +664,7 @@ class InferenceClient:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 # No pool cap: queueing inside the client would hide load from least_loaded.
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
             )
         return self._session
 

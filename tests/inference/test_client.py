@@ -267,6 +267,66 @@ def test_4xx_is_not_retried() -> None:
     assert stub.calls == 1
 
 
+class ClosesIdleConnections:
+    """A raw HTTP/1.1 server that answers with keep-alive, but closes a connection,
+    without answering, when a request arrives on it after `idle_s` of silence: what
+    uvicorn (SGLang's and vLLM's server) does when its idle timer fires as a request
+    comes in."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s, self.connections = idle_s, 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        last = None
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next(
+                    (int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                     if line.lower().startswith(b"content-length:")), 0,
+                )  # fmt: skip
+                await reader.readexactly(length)
+                if last is not None and time.monotonic() - last >= self.idle_s:
+                    break  # closed as the request arrives
+                body = b'{"output_ids": [1]}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Connection: keep-alive\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                last = time.monotonic()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+def test_a_connection_idle_past_the_servers_keep_alive_is_not_reused(monkeypatch) -> None:
+    """The client reuses a pooled connection only while it is younger than KEEPALIVE_S,
+    which stays below uvicorn's 5 s: a call never goes out on a connection that the
+    server is closing. Here at scale: the server closes after 0.3 s idle, the client
+    keeps connections 0.2 s; one attempt per call, so a reused dead one would fail it."""
+    import areal_cli.inference.client as client_module
+
+    assert client_module.KEEPALIVE_S < 5.0
+    monkeypatch.setattr(client_module, "KEEPALIVE_S", 0.2)
+    stub = ClosesIdleConnections(idle_s=0.3)
+
+    async def body() -> list:
+        server = await asyncio.start_server(stub.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with InferenceClient([f"http://127.0.0.1:{port}"], retries=0) as client:
+                got = [await client.generate([1], {}), await client.generate([1], {})]
+                await asyncio.sleep(0.5)  # idle past both limits
+                got.append(await client.generate([1], {}))
+                return got
+        finally:
+            server.close()
+
+    assert run(body()) == [{"output_ids": [1]}] * 3
+    assert stub.connections == 2  # the two quick calls shared one; the late one had its own
+
+
 def test_constructor_checks() -> None:
     with pytest.raises(ValueError, match="at least one"):
         InferenceClient([])
