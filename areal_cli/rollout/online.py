@@ -29,8 +29,8 @@ goes into a batch like any other: ended sessions with completions and a reward a
 trained, with rewards passed back through turns by `rollout.turn_discount` and samples
 made as `rollout.agent_samples` says (areal_cli.rollout.agents).
 
-Time-outs (`rollout.session_timeout_s`): a session with no request for that long is
-ended and not trained on (online_timeouts); a group whose free slots nobody took for
+Time-outs (`rollout.session_timeout_s`): a session idle for that long (no request of
+its own being answered, and none asked or answered since) is ended and not trained on (online_timeouts); a group whose free slots nobody took for
 that long since its last join closes with the sessions it has (online_unfilled). Each
 session is counted once, in the step whose batch takes its group: online_sessions, and
 of those online_timeouts, online_no_reward (ended with no reward set) and online_empty
@@ -170,7 +170,7 @@ class OnlineSessions:
         limit = self.settings.timeout_s
         for group in list(self.groups):
             for session in group.sessions:
-                if session.state == "open" and now - session.last_seen > limit:
+                if session.state == "open" and self._idle(session, now) > limit:
                     session.state, session.closed_at = "timeout", now
                     self.timed_out += 1
                     self.proxy.close_episode(session.episode)
@@ -180,6 +180,13 @@ class OnlineSessions:
         # a closed session's key answers 404 for another timeout, then 401 (bounded memory)
         for key in [k for k, s in self.by_key.items() if s.closed_at and now - s.closed_at > limit]:
             del self.by_key[key]
+
+    @staticmethod
+    def _idle(session: Session, now: float) -> float:
+        """How long the session has been idle: 0 while one of its requests is being
+        answered (a slow server or a paused one is not the client's silence)."""
+        episode = session.episode
+        return 0.0 if episode.in_flight else now - max(session.last_seen, episode.answered_at)
 
     def summary(self, counted_in_steps: int) -> dict[str, int]:
         """Every session started, by where it went; `counted_in_steps`: the sessions the

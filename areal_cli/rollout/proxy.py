@@ -107,6 +107,8 @@ class Episode:
     seed: int
     completions: list[Completion] = field(default_factory=list)
     closed: bool = False
+    in_flight: int = 0  # its completion requests being answered now
+    answered_at: float = 0.0  # time.monotonic() when its last request was answered
     # Responses API: each response's whole conversation, its output included, by id
     conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -378,7 +380,12 @@ class AgentProxy:
     async def _complete(self, episode: Episode, prompt: list[int], body: Mapping) -> Completion:
         params = self._sampling(episode, body, len(prompt))
         self.last_request_at = time.monotonic()
-        answer = await self._generate(prompt, params)
+        episode.in_flight += 1  # an online session waiting for its answer is not idle
+        try:
+            answer = await self._generate(prompt, params)
+        finally:
+            episode.in_flight -= 1
+            episode.answered_at = time.monotonic()
         if episode.closed:  # the episode ended (timeout) while this request ran
             raise web.HTTPGone(text="the episode is over")
         meta = answer.get("meta_info", {})

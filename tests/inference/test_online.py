@@ -24,15 +24,21 @@ pytestmark = pytest.mark.slow
 ADMIN = "admin-secret"
 
 
-def _online(server: Server, parrot: Path, body, **settings: Any) -> Any:
-    """Run `body(sessions, http)` with an online proxy in front of the server."""
+def _online(server: Server, parrot: Path, body, slow_s: float = 0.0, **settings: Any) -> Any:
+    """Run `body(sessions, http)` with an online proxy in front of the server, whose
+    answers come `slow_s` late (a loaded or paused server)."""
 
     async def go() -> Any:
         client = InferenceClient([server.url], backend="embedded", retries=0)
+
+        async def generate(ids: list[int], params: dict) -> dict:
+            await asyncio.sleep(slow_s)
+            return await client.generate(ids, params)
+
         proxy = AgentProxy(
             ProxySettings(tool_parser="hermes", served_model="parrot"),
             AutoTokenizer.from_pretrained(parrot),
-            lambda ids, params: client.generate(ids, params),
+            generate,
             {"temperature": 0.0, "max_new_tokens": 16},
         )
         options = {"group_size": 2, "timeout_s": 60.0, "admin_key": ADMIN, **settings}
@@ -174,6 +180,29 @@ def test_silent_sessions_time_out_and_groups_close_with_what_they_have(
         watch.cancel()
 
     _online(server, parrot, body, timeout_s=0.5)
+
+
+def test_a_session_waiting_for_a_slow_answer_is_not_idle(server: Server, parrot: Path) -> None:
+    """Answers take 3 timeouts: the session lives through them, and its idle clock starts
+    from the answer, not from the request."""
+
+    async def body(sessions: OnlineSessions, http: httpx.AsyncClient) -> None:
+        watch = asyncio.ensure_future(sessions.watch(period_s=0.05))
+        group = asyncio.ensure_future(sessions.group(0, 0))
+        await asyncio.sleep(0)
+        key = _key((await _start(http, "a"))["api_key"])
+        for _ in range(2):
+            reply = await http.post("/chat/completions", json={"messages": ASK_TEXT}, headers=key)  # fmt: skip
+            assert reply.status_code == 200, reply.text
+        await asyncio.sleep(0.2)  # idle, but less than the timeout since the answer
+        assert (await http.post("/rl/set_reward", json={"reward": 1}, headers=key)).status_code == 200  # fmt: skip
+        assert (await http.post("/rl/end_session", headers=key)).status_code == 200
+        done = await asyncio.wait_for(group, 10)
+        assert done.counters["online_timeouts"] == 0 and done.counters["agent_completions"] == 2
+        assert [t.reward for t in done.trajectories] == [1.0, 1.0]  # two prompts, no prefix
+        watch.cancel()
+
+    _online(server, parrot, body, slow_s=1.2, group_size=1, timeout_s=0.4)
 
 
 def test_turns_pass_the_reward_back_by_the_discount(server: Server, parrot: Path) -> None:
