@@ -15,11 +15,12 @@ the OpenAI SDK, as any external agent runtime would:
 A 429 (the staleness bound holds new sessions) is waited out; the client stops when the
 run's proxy goes away, or after --sessions sessions. --abandon N leaves every Nth session
 open without a reward, as a crashed client would: the run times it out
-(rollout.session_timeout_s) and counts it. RUN_DIR is the run's folder
+(rollout.session_timeout_s) and counts it. A session the run ended first (it timed out:
+404 or 410, then 401 once the run forgot its key) is counted as lost, and the others go on. RUN_DIR is the run's folder
 (runs/EXPERIMENT/TRIAL): its proxy.json gives the address; a URL works too.
 
-At the end it prints how many sessions started, ended, were abandoned and waited on a
-429, and the mean reward of the first and the last 64 sessions it ended.
+At the end it prints how many sessions started, ended, were abandoned, were lost and
+waited on a 429, and the mean reward of the first and the last 64 sessions it ended.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
-from openai import APIConnectionError, AsyncOpenAI
+from openai import APIConnectionError, APIStatusError, AsyncOpenAI
 
 FEEDBACK = "That is not right. Try again; answer with the number only."
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -49,11 +50,24 @@ class RunOver(Exception):
     """The run's proxy is gone (it finished or stopped)."""
 
 
+class SessionGone(Exception):
+    """The run ended this session before the client did: it timed out (404 or 410, and
+    401 once the run forgot its key)."""
+
+
+GONE = (401, 404, 410)  # for a session's own key, issued by the run
+
+
 class Client:
     def __init__(self, address: str, admin_key: str, abandon: int, limit: int) -> None:
         self.address, self.admin_key, self.abandon, self.limit = address, admin_key, abandon, limit
         self.http = httpx.AsyncClient(timeout=120.0)
-        self.asked = self.started = self.ended = self.abandoned = self.waits = 0
+        # one SDK client, built before any session starts, and copied per session's key:
+        # building one takes ~65 ms of the loop (~4 s for 64 sessions, longer on a busy
+        # machine), a silence that the run's session_timeout_s counts against the sessions
+        self.sdk = AsyncOpenAI(base_url=f"{address}/v1", api_key="per-session", http_client=self.http)  # fmt: skip
+        _ = self.sdk.chat.completions  # its resources load now, not in a session
+        self.asked = self.started = self.ended = self.abandoned = self.lost = self.waits = 0
         self.rewards: list[float] = []
 
     async def post(self, path: str, key: str, body: dict) -> dict:
@@ -68,6 +82,8 @@ class Client:
                 self.waits += 1
                 await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
                 continue
+            if r.status_code in GONE and path != "/rl/start_session":
+                raise SessionGone(r.text)
             if r.status_code >= 400:
                 raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text}")
             return r.json()
@@ -77,7 +93,13 @@ class Client:
         number = self.started  # in the order the run started them
         self.started += 1
         key = started["api_key"]
-        sdk = AsyncOpenAI(base_url=started["base_url"], api_key=key, http_client=self.http)
+        sdk = self.sdk.with_options(base_url=started["base_url"], api_key=key)
+        try:
+            await self._episode(row, sdk, key, number)
+        except SessionGone:
+            self.lost += 1
+
+    async def _episode(self, row: dict, sdk: AsyncOpenAI, key: str, number: int) -> None:
         messages = [{"role": "user", "content": row["prompt"]}]
         reward = 0.0
         try:
@@ -95,6 +117,10 @@ class Client:
                 ]
         except APIConnectionError as err:
             raise RunOver(str(err)) from None
+        except APIStatusError as err:
+            if err.status_code in GONE:
+                raise SessionGone(str(err)) from None
+            raise
         if self.abandon and number % self.abandon == self.abandon - 1:
             self.abandoned += 1  # never rewarded, never ended: the run times it out
             return
@@ -157,7 +183,7 @@ async def main(args: argparse.Namespace) -> None:
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     print(
         f"online_client: {client.started} sessions started, {client.ended} ended, "
-        f"{client.abandoned} abandoned, {client.waits} waits on 429; reward of the first "
+        f"{client.abandoned} abandoned, {client.lost} lost, {client.waits} waits on 429; reward of the first "
         f"{len(first)} ended {mean(first):.3f}, of the last {len(last)} {mean(last):.3f}"
     )
 

@@ -498,7 +498,7 @@ class RolloutConfig:
     )
     session_timeout_s: float = field(
         3600.0,
-        "rollout.mode online: a session idle this long (no request of its own being answered, none asked or answered since) is ended, counted as online_timeouts and not trained on; a started group whose sessions stop coming closes after this long with those it has.",
+        "rollout.mode online: a session idle this long (no request of its own being handled, none arriving or answered since) is ended, counted as online_timeouts and not trained on; a started group whose sessions stop coming closes after this long with those it has.",
         gt=0,
     )
     agent: str = field(

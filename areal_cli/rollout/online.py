@@ -30,7 +30,7 @@ trained, with rewards passed back through turns by `rollout.turn_discount` and s
 made as `rollout.agent_samples` says (areal_cli.rollout.agents).
 
 Time-outs (`rollout.session_timeout_s`): a session idle for that long (no request of
-its own being answered, and none asked or answered since) is ended and not trained on (online_timeouts); a group whose free slots nobody took for
+its own being handled, and none arriving or answered since) is ended and not trained on (online_timeouts); a group whose free slots nobody took for
 that long since its last join closes with the sessions it has (online_unfilled). Each
 session is counted once, in the step whose batch takes its group: online_sessions, and
 of those online_timeouts, online_no_reward (ended with no reward set) and online_empty
@@ -42,7 +42,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,9 +68,10 @@ class Session:
     task: str
     group: OpenGroup
     episode: Episode
-    last_seen: float
+    last_seen: float  # when a request of its own last arrived or was answered
     rewards: dict[str, float] = field(default_factory=dict)  # completion id -> reward
     state: str = "open"  # open, ended, timeout
+    in_flight: int = 0  # its requests being handled now (it is not idle meanwhile)
     closed_at: float = 0.0  # when it ended or timed out (its key is forgotten later)
 
 
@@ -184,9 +186,24 @@ class OnlineSessions:
     @staticmethod
     def _idle(session: Session, now: float) -> float:
         """How long the session has been idle: 0 while one of its requests is being
-        answered (a slow server or a paused one is not the client's silence)."""
-        episode = session.episode
-        return 0.0 if episode.in_flight else now - max(session.last_seen, episode.answered_at)
+        handled (a slow server or a paused one is not the client's silence)."""
+        return 0.0 if session.in_flight else now - session.last_seen
+
+    @contextmanager
+    def handling(self, token: str | None) -> Iterator[None]:
+        """Around the handling of a request with `token` (the proxy's middleware): its
+        session, if the key names one, is busy until the answer is sent."""
+        session = self.by_key.get(token or "")
+        if session is None:  # the admin key, or none
+            yield
+            return
+        session.in_flight += 1
+        session.last_seen = time.monotonic()
+        try:
+            yield
+        finally:
+            session.in_flight -= 1
+            session.last_seen = time.monotonic()
 
     def summary(self, counted_in_steps: int) -> dict[str, int]:
         """Every session started, by where it went; `counted_in_steps`: the sessions the
@@ -275,9 +292,7 @@ class OnlineSessions:
 
     def episode_of(self, token: str | None) -> Episode:
         """The open session's episode for a completion request; 404 once it ended."""
-        session = self._session(token)
-        session.last_seen = time.monotonic()
-        return session.episode
+        return self._session(token).episode
 
     def _session(self, token: str | None) -> Session:
         session = self.by_key[token or ""]  # refuse() let only known keys through
@@ -336,8 +351,8 @@ class OnlineSessions:
         return next((g for g in free if g.task is None), None)
 
     async def _set_reward(self, request: web.Request) -> web.Response:
+        body = await _body(request)  # first: the session's state is read after any wait
         session = self._session(request_key(request))
-        body = await _body(request)
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             return error_answer(400, "reward must be a number")
@@ -350,7 +365,6 @@ class OnlineSessions:
                 400, f"interaction_id {cid!r} is no completion of session {session.id}"
             )
         session.rewards[cid] = float(reward)
-        session.last_seen = time.monotonic()
         return web.json_response(
             {"session_id": session.id, "interaction_id": cid, "reward": reward}
         )

@@ -41,6 +41,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,8 +108,6 @@ class Episode:
     seed: int
     completions: list[Completion] = field(default_factory=list)
     closed: bool = False
-    in_flight: int = 0  # its completion requests being answered now
-    answered_at: float = 0.0  # time.monotonic() when its last request was answered
     # Responses API: each response's whole conversation, its output included, by id
     conversations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -126,6 +125,8 @@ class SessionRoutes(Protocol):
     def refuse(self, path: str, token: str | None) -> str | None: ...
 
     def episode_of(self, token: str | None) -> Episode: ...
+
+    def handling(self, token: str | None) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True)
@@ -213,10 +214,14 @@ class AgentProxy:
             refused = self.sessions.refuse(request.path, given)
             if refused is not None:
                 return error_answer(401, refused)
-        elif key and given != key:
-            return error_answer(401, "a valid API key is needed (Authorization: Bearer KEY)")
+            handling = self.sessions.handling(given)  # its session is busy till answered
+        else:
+            handling = nullcontext()
+            if key and given != key:
+                return error_answer(401, "a valid API key is needed (Authorization: Bearer KEY)")
         try:
-            return await handler(request)
+            with handling:
+                return await handler(request)
         except (ProxyRequestError, ChatRequestError) as err:
             return error_answer(400, str(err))
 
@@ -380,12 +385,7 @@ class AgentProxy:
     async def _complete(self, episode: Episode, prompt: list[int], body: Mapping) -> Completion:
         params = self._sampling(episode, body, len(prompt))
         self.last_request_at = time.monotonic()
-        episode.in_flight += 1  # an online session waiting for its answer is not idle
-        try:
-            answer = await self._generate(prompt, params)
-        finally:
-            episode.in_flight -= 1
-            episode.answered_at = time.monotonic()
+        answer = await self._generate(prompt, params)
         if episode.closed:  # the episode ended (timeout) while this request ran
             raise web.HTTPGone(text="the episode is over")
         meta = answer.get("meta_info", {})

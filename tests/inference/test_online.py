@@ -205,6 +205,40 @@ def test_a_session_waiting_for_a_slow_answer_is_not_idle(server: Server, parrot:
     _online(server, parrot, body, slow_s=1.2, group_size=1, timeout_s=0.4)
 
 
+def test_a_session_sending_a_slow_request_is_not_idle(server: Server, parrot: Path) -> None:
+    """set_reward's body arrives 3 timeouts after its headers: the session is busy from the
+    headers on, so the reward counts (it did not time out under the request and answer a
+    400 for a completion the timeout had cleared)."""
+
+    async def body(sessions: OnlineSessions, http: httpx.AsyncClient) -> None:
+        watch = asyncio.ensure_future(sessions.watch(period_s=0.05))
+        group = asyncio.ensure_future(sessions.group(0, 0))
+        await asyncio.sleep(0)
+        key = (await _start(http, "a"))["api_key"]
+        reply = await http.post("/chat/completions", json={"messages": ASK_TEXT}, headers=_key(key))  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        payload = b'{"reward": 1}'
+        host, port = sessions.proxy.address.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            f"POST /rl/set_reward HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        await asyncio.sleep(1.2)  # the body comes late
+        writer.write(payload)
+        await writer.drain()
+        status = (await reader.readline()).decode()
+        writer.close()
+        assert " 200 " in status, status
+        assert (await http.post("/rl/end_session", headers=_key(key))).status_code == 200
+        done = await asyncio.wait_for(group, 10)
+        assert done.counters["online_timeouts"] == 0 and [t.reward for t in done.trajectories] == [1.0]  # fmt: skip
+        watch.cancel()
+
+    _online(server, parrot, body, group_size=1, timeout_s=0.4)
+
+
 def test_turns_pass_the_reward_back_by_the_discount(server: Server, parrot: Path) -> None:
     async def body(sessions: OnlineSessions, http: httpx.AsyncClient) -> list[float]:
         group = asyncio.ensure_future(sessions.group(0, 0))
