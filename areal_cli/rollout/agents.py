@@ -8,7 +8,8 @@ The contract, close to AReaL's so that its agents move over:
   - `kwargs` holds `base_url` (the episode's own address at the proxy, ending in /v1;
     an Anthropic SDK client takes it without that /v1, as it appends /v1/messages), `api_key` and
     `http_client` (the openai SDK's own async HTTP client, for
-    `openai.AsyncOpenAI(http_client=...)`; closed when the episode ends);
+    `openai.AsyncOpenAI(http_client=...)`, new per episode and closed when it ends; the
+    episodes' clients share one TLS context, built once);
   - it returns a float, the episode's reward, or a dict of completion id (the `id` of a
     response) to reward.
 The agent's file imports nothing from areal.
@@ -39,18 +40,32 @@ worker that dies under it is agent_crashes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_cli.config.recipe_code import AgentRun
 from areal_cli.rollout.proxy import AgentProxy, Completion
 from areal_cli.rollout.subproc import AgentCrashed, AgentPool, PoolBroken
 from areal_cli.rollout.workflows import EpisodeClient, EpisodeOutcome, Trajectory, Turn
 
+if TYPE_CHECKING:
+    import ssl
+
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """The episodes' HTTP clients share one TLS context: httpx builds a new one per client
+    by default, loading the CA bundle each time (~40 ms of the controller's loop per
+    episode on an EPYC core, against ~2 ms with it shared)."""
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,7 @@ class AgentRunner:
                 reward = await self.pool.run(data, base_url, api_key, self.timeout_s)
             else:
                 # the SDK's own HTTP client class (httpx's, under the name this openai uses)
-                async with openai.DefaultAsyncHttpxClient() as http:
+                async with openai.DefaultAsyncHttpxClient(verify=_tls()) as http:
                     run = self.make_agent()
                     kwargs = {"base_url": base_url, "api_key": api_key, "http_client": http}
                     reward = await asyncio.wait_for(run(data, **kwargs), self.timeout_s)
