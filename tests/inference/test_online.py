@@ -194,7 +194,7 @@ def test_a_session_waiting_for_a_slow_answer_is_not_idle(server: Server, parrot:
         for _ in range(2):
             reply = await http.post("/chat/completions", json={"messages": ASK_TEXT}, headers=key)  # fmt: skip
             assert reply.status_code == 200, reply.text
-        await asyncio.sleep(0.2)  # idle, but less than the timeout since the answer
+        await asyncio.sleep(0.4)  # idle, but less than the timeout since the answer
         assert (await http.post("/rl/set_reward", json={"reward": 1}, headers=key)).status_code == 200  # fmt: skip
         assert (await http.post("/rl/end_session", headers=key)).status_code == 200
         done = await asyncio.wait_for(group, 10)
@@ -202,7 +202,7 @@ def test_a_session_waiting_for_a_slow_answer_is_not_idle(server: Server, parrot:
         assert [t.reward for t in done.trajectories] == [1.0, 1.0]  # two prompts, no prefix
         watch.cancel()
 
-    _online(server, parrot, body, slow_s=1.2, group_size=1, timeout_s=0.4)
+    _online(server, parrot, body, slow_s=3.0, group_size=1, timeout_s=1.0)
 
 
 def test_a_session_sending_a_slow_request_is_not_idle(server: Server, parrot: Path) -> None:
@@ -225,7 +225,7 @@ def test_a_session_sending_a_slow_request_is_not_idle(server: Server, parrot: Pa
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
         )
         await writer.drain()
-        await asyncio.sleep(1.2)  # the body comes late
+        await asyncio.sleep(3.0)  # the body comes late
         writer.write(payload)
         await writer.drain()
         status = (await reader.readline()).decode()
@@ -236,7 +236,7 @@ def test_a_session_sending_a_slow_request_is_not_idle(server: Server, parrot: Pa
         assert done.counters["online_timeouts"] == 0 and [t.reward for t in done.trajectories] == [1.0]  # fmt: skip
         watch.cancel()
 
-    _online(server, parrot, body, group_size=1, timeout_s=0.4)
+    _online(server, parrot, body, group_size=1, timeout_s=1.0)
 
 
 def test_turns_pass_the_reward_back_by_the_discount(server: Server, parrot: Path) -> None:
