@@ -292,6 +292,15 @@ def _context(
     )
 
 
+def _limits(cfg: Any) -> dict[str, float]:
+    """The time limits that a step's warnings name, by key."""
+    r = cfg.rollout
+    return {
+        "rollout.agent_timeout_s": r.agent_timeout_s,
+        "rollout.session_timeout_s": r.session_timeout_s,
+    }
+
+
 async def _run_tasks(
     ctx: RolloutContext,
     state: LoopState,
@@ -318,7 +327,9 @@ async def _run_tasks(
         *([asyncio.create_task(ctx.online.watch())] if ctx.online is not None else []),
         asyncio.create_task(rollout_task(ctx, state)),
         asyncio.create_task(sync.run()),
-        asyncio.create_task(metrics_task(join, lambda: state.version, state.handoff, sink)),
+        asyncio.create_task(
+            metrics_task(join, lambda: state.version, state.handoff, sink, _limits(ctx.cfg))
+        ),
         *(asyncio.ensure_future(guard) for guard in hooks.guards(ctx.inference, state)),
     ]
     recovery = ServerRecovery(ctx.inference, weights, state, timeout_s, sync)

@@ -74,17 +74,56 @@ class MetricsJoin:
         return written
 
 
+# (what ended, of how many, the limit, what it is, what may help): a step where more than
+# half of them timed out gets one warning per run
+TIMEOUT_SHARES = (
+    ("agent_timeouts", "agent_episodes", "rollout.agent_timeout_s", "agent episodes",
+     "run fewer at once (rollout.max_concurrent_rollouts)"),
+    ("online_timeouts", "online_sessions", "rollout.session_timeout_s", "online sessions",
+     "check that the clients end their sessions"),
+)  # fmt: skip
+
+
+def timeout_warnings(
+    metrics: Mapping[str, Any], warned: set[str], limits: Mapping[str, float] | None = None
+) -> list[str]:
+    """A line for each kind of work of which most timed out in this step (dropped, not
+    trained), once per run (`warned` keeps the kinds said; `limits` the limits' values by
+    key, for the line). A limit too short for the
+    servers' speed looks like this: the work is thrown away, and each step then needs more
+    of it."""
+    lines = []
+    for lost_key, total_key, limit, what, other in TIMEOUT_SHARES:
+        lost, total = metrics.get(lost_key, 0.0), metrics.get(total_key, 0.0)
+        if lost_key in warned or not total or lost * 2 <= total:
+            continue
+        warned.add(lost_key)
+        value = (limits or {}).get(limit)
+        past = limit if value is None else f"{limit} ({value:g} s)"
+        lines.append(
+            f"step {metrics['step']}: {lost:g} of {total:g} {what} ran past {past} and were "
+            f"dropped untrained; if the servers are slower than the limit allows, raise "
+            f"{limit}, or {other}"
+        )
+    return lines
+
+
 async def metrics_task(
     join: MetricsJoin,
     version: Callable[[], int],
     handoff: Mapping[int, Mapping[str, float]],
     sink: StepSink,
+    limits: Mapping[str, float] | None = None,
     poll_s: float = 0.1,
 ) -> None:
-    """Join and report each step as it completes, for ever (the loop cancels it)."""
+    """Join and report each step as it completes, for ever (the loop cancels it); a
+    step that lost most of its work to a time limit (`limits`, by key) gets a warning."""
+    warned: set[str] = set()
     while True:
         for metrics in join.poll(version(), handoff):
             sink.step(metrics)
+            for line in timeout_warnings(metrics, warned, limits):
+                sink.warn(line)
         await asyncio.sleep(poll_s)
 
 

@@ -108,3 +108,58 @@ def test_a_supervised_line_carries_the_supervised_figures() -> None:
         ("state_mb", 10.0),
         ("trainer_step_s", 0.5),
     ]  # clip_frac is an RL figure
+
+
+def test_a_step_that_lost_most_of_its_work_to_a_timeout_is_warned_once() -> None:
+    from areal_cli.rollout.metrics import timeout_warnings
+
+    warned: set[str] = set()
+    half = {"step": 1, "agent_episodes": 64.0, "agent_timeouts": 32.0}
+    assert timeout_warnings(half, warned) == []  # half is not most
+    most = {"step": 2, "agent_episodes": 64.0, "agent_timeouts": 40.0, "online_sessions": 0.0}
+    (line,) = timeout_warnings(most, warned)
+    assert line.startswith("step 2: 40 of 64 agent episodes ran past rollout.agent_timeout_s")
+    assert "rollout.max_concurrent_rollouts" in line
+    assert timeout_warnings({**most, "step": 3}, warned) == []  # once per run
+    online = {"step": 4, "online_sessions": 18.0, "online_timeouts": 10.0}
+    (line,) = timeout_warnings(online, warned, {"rollout.session_timeout_s": 30.0})
+    assert "10 of 18 online sessions ran past rollout.session_timeout_s (30 s)" in line
+    assert timeout_warnings({"step": 5}, set()) == []  # no agents, no sessions
+
+
+def test_the_metrics_task_says_the_warning_after_the_step(tmp_path: Path) -> None:
+    import asyncio
+
+    from areal_cli.rollout.metrics import metrics_task
+
+    said: list[tuple[str, object]] = []
+
+    class Recorder:  # a StepSink that keeps what it was told, in order
+        def status(self, text: str) -> None:
+            said.append(("status", text))
+
+        def step(self, metrics: dict[str, float]) -> None:
+            said.append(("step", metrics["step"]))
+
+        def warn(self, text: str) -> None:
+            said.append(("warn", text))
+
+    paths = RunDir(tmp_path)
+    paths.trainer_metrics.parent.mkdir(parents=True)
+    lines = [rl_record(s).to_json() for s in (1, 2)]
+    paths.trainer_metrics.write_text("".join(line + "\n" for line in lines))
+    figures = {1: {"agent_episodes": 8.0, "agent_timeouts": 1.0}, 2: {"agent_episodes": 8.0, "agent_timeouts": 7.0}}  # fmt: skip
+    join = MetricsJoin(tmp_path, lambda step: figures[step], dict)
+
+    async def go() -> None:
+        task = asyncio.ensure_future(
+            metrics_task(join, lambda: 2, {}, Recorder(), {"rollout.agent_timeout_s": 0.5}, 0.01)
+        )
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    asyncio.run(go())
+    assert [kind for kind, _ in said] == ["step", "step", "warn"]
+    assert said[2][1].startswith(
+        "step 2: 7 of 8 agent episodes ran past rollout.agent_timeout_s (0.5 s)"
+    )
