@@ -16,8 +16,9 @@ A 429 (the staleness bound holds new sessions) is waited out; the client stops w
 run's proxy goes away, or after --sessions sessions. --abandon N leaves every Nth session
 open without a reward, as a crashed client would: the run times it out
 (rollout.session_timeout_s) and counts it. A session the run ended first (it timed out:
-404 or 410, then 401 once the run forgot its key) is counted as lost, and the others go on. RUN_DIR is the run's folder
-(runs/EXPERIMENT/TRIAL): its proxy.json gives the address; a URL works too.
+404 or 410, then 401 once the run forgot its key) is counted as lost, and the others go
+on. RUN_DIR is the run's folder (runs/EXPERIMENT/TRIAL): its proxy.json gives the
+address; a URL works too.
 
 At the end it prints how many sessions started, ended, were abandoned, were lost and
 waited on a 429, and the mean reward of the first and the last 64 sessions it ended.

@@ -89,9 +89,8 @@ def timeout_warnings(
 ) -> list[str]:
     """A line for each kind of work of which most timed out in this step (dropped, not
     trained), once per run (`warned` keeps the kinds said; `limits` the limits' values by
-    key, for the line). A limit too short for the
-    servers' speed looks like this: the work is thrown away, and each step then needs more
-    of it."""
+    key, for the line). A limit too short for the servers' speed looks like this: the
+    work is thrown away, and each step then needs more of it."""
     lines = []
     for lost_key, total_key, limit, what, other in TIMEOUT_SHARES:
         lost, total = metrics.get(lost_key, 0.0), metrics.get(total_key, 0.0)

@@ -30,8 +30,9 @@ trained, with rewards passed back through turns by `rollout.turn_discount` and s
 made as `rollout.agent_samples` says (areal_cli.rollout.agents).
 
 Time-outs (`rollout.session_timeout_s`): a session idle for that long (no request of
-its own being handled, and none arriving or answered since) is ended and not trained on (online_timeouts); a group whose free slots nobody took for
-that long since its last join closes with the sessions it has (online_unfilled). Each
+its own being handled, and none arriving or answered since) is ended and not trained on
+(online_timeouts); a group whose free slots nobody took for that long since its last
+join closes with the sessions it has (online_unfilled). Each
 session is counted once, in the step whose batch takes its group: online_sessions, and
 of those online_timeouts, online_no_reward (ended with no reward set) and online_empty
 (ended with no completion) are not trained on.
