@@ -23,6 +23,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -48,6 +49,7 @@ from areal_cli.inference.graphs import DecodeGraphs, resolve_mode
 from areal_cli.inference.memory import GRAPH_TAG, MemoryBusy, parse_tags, trim_host_memory
 from areal_cli.inference.model import EngineModel
 from areal_cli.inference.sampling import SeqState, sample_tokens
+from areal_cli.inference.threads import own_cores
 from areal_cli.inference.weight_loader import WeightLoader, WeightLoadError
 
 logger = logging.getLogger(__name__)
@@ -160,6 +162,40 @@ class InferenceEngine:
         from areal_cli.data.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(str(self.base_path))
+        self._weight_version = weight_version
+        self._seed_rng = random.Random(random_seed)
+        self.graph_problem: str | None = None  # why graphs were turned off, if they were
+        self._paused = False
+        self._released: set[str] = set()  # memory tags given back (inference.memory)
+        self._stopping = False
+        self._cv = threading.Condition()
+        self._waiting: deque[SeqState] = deque()
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._inflight: dict[str, SeqState] = {}
+        # The model is built, and every step runs, on the scheduler thread: the only
+        # thread of the engine that runs torch's parallel CPU kernels (inference.threads).
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        setup = functools.partial(
+            self._setup, dtype, context_length, decode_graphs, cuda_graph_max_bs
+        )
+        self._thread = threading.Thread(
+            target=self._run, args=(ready, torch.get_num_threads(), setup),
+            name="areal-engine", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+        ready.result()  # what building the model raised is raised here
+        # A scheduler thread still inside torch at interpreter exit aborts the process.
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
+
+    def _setup(
+        self,
+        dtype: str,
+        context_length: int | None,
+        decode_graphs: str,
+        cuda_graph_max_bs: int | None,
+    ) -> None:
+        """Build the model, read its weights and size the running batch (on the
+        scheduler thread)."""
         self._model = EngineModel(str(self.base_path), torch_dtype(dtype), self.device)
         self.model = self._model.module
         self.config = self._model.config
@@ -175,27 +211,13 @@ class InferenceEngine:
             self._loader.swap_in(tensors, identity)
         else:  # transformers read them: prepare what it read (CPU bf16/fp16)
             self._loader.packed.refresh()
-        self._weight_version = weight_version
-        self._seed_rng = random.Random(random_seed)
-        self._batch = self._model.running_batch(max_running_requests)
+        self._batch = self._model.running_batch(self.max_running_requests)
         self._graphs: DecodeGraphs | None = None
         mode = resolve_mode(decode_graphs, self.device, self._model.own)
         if mode != "off":
-            most = min(cuda_graph_max_bs or max_running_requests, max_running_requests)
+            most = min(cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
             self._graphs = DecodeGraphs(self.model, self._batch, most, mode)
-        self.graph_problem: str | None = None  # why graphs were turned off, if they were
         logger.info("decode: %s; %s", self.decode_graphs_info, self._loader.packed.describe())
-        self._paused = False
-        self._released: set[str] = set()  # memory tags given back (inference.memory)
-        self._stopping = False
-        self._cv = threading.Condition()
-        self._waiting: deque[SeqState] = deque()
-        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._inflight: dict[str, SeqState] = {}
-        self._thread = threading.Thread(target=self._loop, name="areal-engine", daemon=True)
-        self._thread.start()
-        # A scheduler thread still inside torch at interpreter exit aborts the process.
-        atexit.register(_shutdown_if_alive, weakref.ref(self))
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -412,6 +434,23 @@ class InferenceEngine:
         return self._post(fn).result(timeout)
 
     # ------------------------------------------------------------------ scheduler thread
+
+    def _run(
+        self,
+        ready: concurrent.futures.Future[None],
+        threads: int,
+        setup: Callable[[], None],
+    ) -> None:
+        """The scheduler thread: take `threads` cores for torch's kernels (those of the
+        thread that built the engine), build the model, then serve."""
+        own_cores(threads)
+        try:
+            setup()
+        except BaseException as exc:  # raised by the constructor
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        self._loop()
 
     def _loop(self) -> None:
         while True:

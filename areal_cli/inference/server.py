@@ -63,6 +63,7 @@ from areal_cli.inference.api import GenerateOutput, GenerateRequest, SamplingPar
 from areal_cli.inference.engine import InferenceEngine
 from areal_cli.inference.guards import bind_problem, weight_path_problem
 from areal_cli.inference.memory import resident_mb
+from areal_cli.inference.threads import one_core
 from areal_cli.inference.weight_receiver import ReceiveError, WeightReceiver
 
 T = TypeVar("T")
@@ -101,6 +102,7 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
 
     def run() -> None:
         try:
+            one_core()  # the scheduler's kernels keep their spinning workers (threads.py)
             result, failed = fn(*args), False
         except BaseException as exc:  # handed to the awaiting request
             result, failed = exc, True

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from areal_cli.inference.packed import PackedLinears
+from areal_cli.inference.threads import one_core
 from areal_cli.models.lora import (
     Adapter,
     AdapterError,
@@ -341,6 +342,7 @@ class WeightLoader:
     ) -> None:
         from areal_cli.rundir import handoff
 
+        one_core()  # the scheduler's kernels keep their spinning workers (threads.py)
         watcher = handoff.Watcher(directory)  # before the first look: no rename is missed
         try:
             newest = handoff.latest(directory, prefix)  # already there: not worth reading
