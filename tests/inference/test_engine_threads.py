@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = r"""
 import json, os, sys, threading, time
 import torch
@@ -79,6 +81,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow  # a process of its own
 def test_only_the_scheduler_thread_starts_openmp_workers(
     tiny_model_dir: Path, tiny_model_dir_alt: Path, tmp_path: Path
 ) -> None:
