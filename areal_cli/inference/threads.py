@@ -37,10 +37,10 @@ def one_core() -> None:
     set_num_threads(1) would make that 1 for every thread not yet set up)."""
     torch.get_num_threads()  # torch's per-thread setup first: it would reset the count
     set_this_thread = _omp_set_num_threads()
-    if set_this_thread is None:  # a torch without OpenMP's symbols in reach
-        torch.set_num_threads(1)
-    else:
+    if set_this_thread is not None:
         set_this_thread(1)
+    if torch.get_num_threads() != 1:  # no OpenMP symbols in reach, or not torch's runtime
+        torch.set_num_threads(1)
 
 
 @functools.cache

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
+
+from areal_cli.inference import threads
 
 SCRIPT = r"""
 import json, os, sys, threading, time
@@ -99,3 +103,26 @@ def test_only_the_scheduler_thread_starts_openmp_workers(
     assert seen["main's threads"] == 3, seen
     assert seen["read ahead"], seen
     assert seen["engine"] == 2, seen  # the scheduler's team, and no other
+
+
+def test_one_core_without_openmps_symbol_falls_back_to_torchs_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where OpenMP's omp_set_num_threads is not in reach (or is not torch's runtime), the
+    thread still ends up with one thread, through torch's own setting."""
+    monkeypatch.setattr(threads, "_omp_set_num_threads", lambda: None)
+    main = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+
+    def side() -> None:
+        threads.one_core()
+        seen.append(torch.get_num_threads())
+
+    try:
+        thread = threading.Thread(target=side)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(main)  # the default of later threads, as it was
+    assert seen == [1]
