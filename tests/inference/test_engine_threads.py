@@ -23,6 +23,8 @@ from areal_cli.inference import threads
 
 SCRIPT = r"""
 import json, os, sys, threading, time
+from pathlib import Path
+
 import torch
 
 torch.set_num_threads(3)
@@ -66,11 +68,9 @@ result["main's threads"] = torch.get_num_threads()
 before = foreign()
 engine = InferenceEngine(model, dtype="bfloat16", device="cpu", max_running_requests=4)
 engine.watch_for_weights(weights, poll_s=0.05)
-files = sorted(p for p in __import__("pathlib").Path(alt).iterdir() if p.is_file())
-entry = handoff.write_entry(
-    __import__("pathlib").Path(weights), "v1", 1,
-    lambda tmp: [handoff.link_or_copy(f, tmp) for f in files],
-).path
+files = sorted(p for p in Path(alt).iterdir() if p.is_file())
+write = lambda tmp: [handoff.link_or_copy(f, tmp) for f in files]
+entry = handoff.write_entry(Path(weights), "v1", 1, write).path
 deadline = time.monotonic() + 30
 while engine.read_ahead_folder != entry and time.monotonic() < deadline:
     time.sleep(0.01)
