@@ -11,6 +11,7 @@
 #          --part trainer (issue 45; cut at 240 s)
 #          -> OUT/bench-engine.log, OUT/bench-trainer.log
 # gpu_bench prints each row as it is measured, so a part cut short keeps what it measured.
+# Exits 1 when a part failed or was cut short (the other part still runs), else 0.
 # --cpu rehearses both on the CPU with the tiny models (what CI runs of each script).
 # PYTHON picks the interpreter (default: .venv/bin/python here, else python3).
 set -uo pipefail
@@ -23,6 +24,7 @@ fi
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 export PYTHON PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
+status=0  # 1 when a part failed or was cut short (each part runs all the same)
 
 machine() {
     date -u +"%Y-%m-%d %H:%M:%S UTC"
@@ -33,10 +35,11 @@ machine() {
 }
 
 if [[ "$what" == check ]]; then
-    { machine; bash scripts/gpu_check.sh $cpu --out "$out/gpu-check"; echo "gpu_check exit $?"; } 2>&1 | tee "$out/check.log"
+    { machine; bash scripts/gpu_check.sh $cpu --out "$out/gpu-check"; rc=$?; echo "gpu_check exit $rc"; exit $rc; } 2>&1 | tee "$out/check.log" || status=1
 else
     for part in engine:300 trainer:240; do
         name="${part%%:*}" limit="${part##*:}"
-        { machine; timeout "$limit" "$PYTHON" scripts/gpu_bench.py --part "$name" $cpu; echo "gpu_bench --part $name: exit $? (124 means it was cut at ${limit} s)"; } 2>&1 | tee "$out/bench-$name.log"
+        { machine; timeout "$limit" "$PYTHON" scripts/gpu_bench.py --part "$name" $cpu; rc=$?; echo "gpu_bench --part $name: exit $rc (124 means it was cut at ${limit} s)"; exit $rc; } 2>&1 | tee "$out/bench-$name.log" || status=1
     done
 fi
+exit $status
