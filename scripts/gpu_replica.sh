@@ -26,6 +26,11 @@ if [[ -z "$out" || "$out" == -* ]]; then
 fi
 cache="${AREAL_CACHE_DIR:-$HOME/.cache/areal}"
 venv="${VENV:-$cache/gpu-replica}"
+stamp="$venv/.areal-gpu-replica"  # what the venv was built with; a venv without it is not ours
+if [[ -e "$venv" && ! -f "$stamp" ]]; then
+    echo "gpu_replica: $venv exists and is not a venv this script built; set VENV to another folder" >&2
+    exit 2
+fi
 is312() { [[ -n "$1" ]] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
 if [[ -z "${PY312:-}" ]]; then  # python3.12 on the PATH (a pyenv shim may not run), or pyenv's
     for candidate in "$(command -v python3.12 || true)" \
@@ -43,7 +48,6 @@ PINNED=(torch==2.11.0 transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0
         huggingface_hub==1.33.0 numpy==2.5.2)
 OTHERS=(typer rich pyyaml aiohttp httpx matplotlib jinja2 pytest)
 ABSENT=(datasets math_verify openai isal tensorboardX ray vllm sglang)
-stamp="$venv/.areal-gpu-replica"
 want="${PINNED[*]} ${OTHERS[*]}"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "[gpu_replica] building $venv with $("$PY312" --version) (downloads ~4 GB the first time)"

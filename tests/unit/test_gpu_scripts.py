@@ -53,3 +53,15 @@ def test_gpu_session_refuses_an_unknown_command(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip() == "usage: bash scripts/gpu_session.sh check|bench OUT [--cpu]"
+
+
+def test_a_venv_folder_it_did_not_build_is_left_alone(tmp_path: Path) -> None:
+    """It rebuilds only a venv of its own (one with its stamp): another folder named by
+    VENV is refused and kept as it was."""
+    other = tmp_path / "someones-venv"
+    (other / "bin").mkdir(parents=True)
+    (other / "bin" / "python").write_text("keep me")
+    done = _replica(str(tmp_path / "out"), VENV=str(other))
+    assert done.returncode == 2, done.stderr
+    assert "is not a venv this script built" in done.stderr
+    assert (other / "bin" / "python").read_text() == "keep me"
