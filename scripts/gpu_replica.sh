@@ -53,10 +53,12 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "[gpu_replica] building $venv with $("$PY312" --version) (downloads ~4 GB the first time)"
     rm -rf "$venv"
     "$PY312" -m venv "$venv"
+    echo "unfinished" > "$stamp"  # ours from now on: a build that fails is redone next run
     pip=("$venv/bin/python" -m pip install --quiet)
-    # (this machine's pip config names local folders that may be missing: pip says so per package)
-    "${pip[@]}" --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-    "${pip[@]}" "${PINNED[@]}" "${OTHERS[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+    # This machine's pip config names local folders that may be missing, and pip says so
+    # per package: those lines are dropped. A failing pip stops the script (pipefail).
+    "${pip[@]}" --upgrade pip 2>&1 | { grep -v "^WARNING: Location" || true; }
+    "${pip[@]}" "${PINNED[@]}" "${OTHERS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
     "$venv/bin/python" -c "import torch, transformers" # the install failed if this does
     echo "$want" > "$stamp"
 fi

@@ -12,11 +12,16 @@ from pathlib import Path
 from tests.conftest import REPO
 
 
-def _replica(*args: str, **env: str) -> subprocess.CompletedProcess:
+def _script(name: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`bash scripts/NAME ARGS` from the repository, with `env` added to this one's."""
     return subprocess.run(
-        ["bash", "scripts/gpu_replica.sh", *args],
+        ["bash", f"scripts/{name}", *args],
         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+def _replica(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return _script("gpu_replica.sh", *args, **env)
 
 
 def test_without_out_it_prints_its_usage() -> None:
@@ -35,11 +40,7 @@ def test_a_python_that_is_not_3_12_is_refused_before_anything_is_built(tmp_path:
 
 def test_gpu_session_exits_1_when_a_part_fails_and_still_runs_the_other(tmp_path: Path) -> None:
     """A Python that fails at once (`false`): both bench parts run, each logs its exit."""
-    done = subprocess.run(
-        ["bash", "scripts/gpu_session.sh", "bench", str(tmp_path), "--cpu"],
-        cwd=REPO, env={**os.environ, "PYTHON": "false"}, capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
+    done = _script("gpu_session.sh", "bench", str(tmp_path), "--cpu", PYTHON="false")
     assert done.returncode == 1, done.stdout + done.stderr
     for part in ("engine", "trainer"):
         log = (tmp_path / f"bench-{part}.log").read_text()
@@ -47,10 +48,7 @@ def test_gpu_session_exits_1_when_a_part_fails_and_still_runs_the_other(tmp_path
 
 
 def test_gpu_session_refuses_an_unknown_command(tmp_path: Path) -> None:
-    done = subprocess.run(
-        ["bash", "scripts/gpu_session.sh", "benchmark", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = _script("gpu_session.sh", "benchmark", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.strip() == "usage: bash scripts/gpu_session.sh check|bench OUT [--cpu]"
 
