@@ -107,6 +107,11 @@ class LauncherConfig:
     startup_timeout_s: float = field(
         300.0, "Overall time allowed for every server to become healthy before the run fails.", gt=0
     )
+    stop_timeout_s: float = field(
+        30.0,
+        "After Ctrl-C, `areal stop` or SIGTERM: how long the controller may take to wind its loop down before it kills every process of the run at once and names where it was stuck (a second Ctrl-C does that at once). The run resumes with --resume either way.",
+        gt=0,
+    )
     env: dict[str, str] = field(
         factory=dict, doc="Extra environment variables given to every child process."
     )

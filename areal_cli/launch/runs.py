@@ -231,9 +231,11 @@ def age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def stop(run_dir: Path, timeout_s: float = 60.0) -> str:
+def stop(run_dir: Path, timeout_s: float | None = None) -> str:
     """Stop a running run as Ctrl-C does (SIGTERM to its controller, which stops every
-    process) and wait for it; returns what happened, in words."""
+    process) and wait for it (`timeout_s`, by default as long as the run's controller
+    may take); returns what happened, in words."""
+    timeout_s = _stop_wait_s(run_dir) if timeout_s is None else timeout_s
     current = view(run_dir)
     record = current.record
     if not is_active(current.state):
@@ -259,6 +261,20 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> str:
             raise RuntimeError(f"controller {pid} still running {timeout_s:g}s after SIGTERM")
         time.sleep(0.2)
     return f"stopped (controller {pid} and every process of the run)"
+
+
+def _stop_wait_s(run_dir: Path) -> float:
+    """How long a stopped controller may take: its loop's own bound on winding down (the
+    run's launcher.stop_timeout_s) and then its children's stop (a grace of 10 s, then
+    SIGKILL), with room to spare; at least 60 s."""
+    import yaml
+
+    try:
+        launcher = yaml.safe_load(RunDir(run_dir).config.read_text())["launcher"]
+        wind_down = float(launcher["stop_timeout_s"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        wind_down = 30.0  # the default, for a run from before the key existed
+    return max(60.0, wind_down + 30.0)
 
 
 def _registered(run_dir: Path, name: str) -> str:

@@ -20,11 +20,10 @@ Exit codes: 0 done, 1 failed or stuck (--resume continues it), 130 interrupted.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from areal_cli.config.loader import LoadedConfig, to_yaml
 from areal_cli.config.model_info import model_config
@@ -34,6 +33,7 @@ from areal_cli.launch import runs
 from areal_cli.launch.local import ChildFailed, LocalRunner, ProcessCancelled
 from areal_cli.launch.plan import LaunchPlan, ProcessSpec
 from areal_cli.launch.restarts import Restarter
+from areal_cli.launch.stop_deadline import StopDeadline, StopSignals
 from areal_cli.launch.watchdog import RunStuck, watch
 from areal_cli.rollout.controller import LoopHooks, RolloutData, ServerAddress, run_loop
 from areal_cli.rollout.metrics import steps_in
@@ -382,21 +382,22 @@ def run_training(
         sink.error(f"could not start the {plan.launcher} launcher: {exc}")
         claim.close()
         return 1
-    interrupted = {"signal": None}
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        interrupted["signal"] = signum
-        raise KeyboardInterrupt
+    def force_stop() -> None:  # the deadline's, from its thread: kill, record the end
+        runner.stop_all(grace_s=2.0)
+        runs.end_record(run_dir, StopDeadline.EXIT_CODE)
 
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, areal stop, a closed terminal
-    previous = {s: signal.signal(s, on_signal) for s in stops}
+    stop_file = RunDir(run_dir).logs / "controller.stop-stack"
+    deadline = StopDeadline(force_stop, stop_file, resume_command, cfg.launcher.stop_timeout_s)
+    stops = StopSignals(deadline)  # Ctrl-C, areal stop, a closed terminal
+    stops.install()
     try:
         _start_and_train(loaded, plan, runner, resume, sink, start_step, data)
         return 0
     except KeyboardInterrupt:  # a stop that was asked for: not an error
-        name = signal.Signals(interrupted["signal"] or signal.SIGINT).name
+        deadline.disarm()  # the loop has unwound; stopping the children is bounded
         runner.stop_all()
-        sink.notice(f"stopped by {name}; every process of the run has ended")
+        sink.notice(f"stopped by {stops.name}; every process of the run has ended")
         sink.notice(f"continue it with: {resume_command}")
         return 130
     except ProcessCancelled as exc:  # e.g. Slurm's scancel of one step
@@ -421,9 +422,9 @@ def run_training(
         sink.error(f"run failed: {exc.__class__.__name__}: {exc}")
         return 1
     finally:
+        deadline.disarm()
         runner.stop_all()
         sweep(run_dir, ALL_ENTRIES)  # unfinished writes of the stopped writers
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        stops.restore()
         claim.close()
         sys.stdout.flush()

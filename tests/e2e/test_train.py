@@ -230,7 +230,10 @@ def test_teardown_leaves_no_process(tmp_path: Path, how: str) -> None:
             ]
             assert victims
             os.kill(victims[-1], signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
+        # The controller ends (its wind-down is bounded by launcher.stop_timeout_s), and
+        # then nothing it started holds its output open: two failures told apart.
+        proc.wait(timeout=60)
+        out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     if how == "ctrl-c":
