@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.config.recipe_code import RecipeCodeError, load_function
+from areal_cli.rundir.process import die_with, spawner_pid
 
 if TYPE_CHECKING:
     from areal_cli.config.schema import RewardConfig
@@ -193,6 +194,7 @@ def _worker_entry() -> None:
     """Worker process start: adopt the parent's sys.path, then serve calls on the socket in argv."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with(int(sys.argv[2]))  # a reward that hangs must not outlive a killed controller
     conn = Connection(int(sys.argv[1]))
     try:
         spec, recipe_dir, parent_path = conn.recv()
@@ -241,7 +243,7 @@ class _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in python_path if p)}
         with child_sock:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_BOOT, str(child_sock.fileno())],
+                [sys.executable, "-c", _WORKER_BOOT, str(child_sock.fileno()), str(spawner_pid())],
                 pass_fds=(child_sock.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from areal_cli.rundir.process import die_with, spawner_pid
+
 START_TIMEOUT_S = 120.0  # a worker's import of the agent's module
 EXIT_WAIT_S = 5.0  # a worker whose stdout closed, before it is killed
 
@@ -116,6 +118,7 @@ class AgentPool:
     async def _spawn(self) -> None:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "areal_cli.rollout.subproc", str(self.recipe_dir), self.spec,
+            str(spawner_pid()),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             limit=64 * 1024 * 1024,
         )  # fmt: skip
@@ -230,4 +233,5 @@ async def _awaited(result: Any) -> Any:
 
 
 if __name__ == "__main__":
+    die_with(int(sys.argv[3]))  # an agent busy in an episode must not outlive a killed controller
     _worker_main(sys.argv[1], sys.argv[2])

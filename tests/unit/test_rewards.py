@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -209,6 +213,52 @@ def test_pool_timeout_kills_hung_worker(recipe_dir: Path) -> None:
     with RewardPool("my_reward:graded", recipe_dir, num_workers=1, timeout_s=0.5) as pool:
         asyncio.run(run(pool))
         assert (pool.n_calls, pool.n_errors, pool.n_timeouts) == (2, 0, 1)
+
+
+def worker_outlives(driver: str, cwd: Path) -> bool:
+    """Run `driver` (a controller's stand-in, which prints its busy worker's pid and then
+    waits on it), kill it with -9 once the worker is busy, and say whether the worker
+    was still alive 10 s later."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", driver], cwd=cwd, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(1.0)  # the request is on its way: the worker is busy in user code
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return False
+            if state == "Z":  # dead, waiting for init to reap it
+                return False
+            time.sleep(0.1)
+        os.kill(worker, signal.SIGKILL)
+        return True
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_a_busy_worker_dies_with_a_controller_killed_with_9(recipe_dir: Path) -> None:
+    """A reward that hangs must not keep running (holding the terminal's output open)
+    after its controller was killed with -9."""
+    driver = f"""
+import asyncio
+from areal_cli.rollout.rewards import RewardPool
+
+async def main():
+    pool = RewardPool("my_reward:graded", {str(recipe_dir)!r}, timeout_s=600)
+    assert (await pool.score("1", "1")).value == 1.0  # loaded and answering
+    print(pool._workers[0].proc.pid, flush=True)
+    await pool.score("hang", "x")
+
+asyncio.run(main())
+"""
+    assert not worker_outlives(driver, recipe_dir)
 
 
 def test_pool_worker_crash_is_an_error(recipe_dir: Path) -> None:

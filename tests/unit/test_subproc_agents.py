@@ -14,6 +14,7 @@ from areal_cli.config.recipe_code import agent_problem
 from areal_cli.rollout.agents import AgentRunner
 from areal_cli.rollout.proxy import AgentProxy, ProxySettings
 from areal_cli.rollout.subproc import AgentCrashed, AgentFailed, AgentPool, PoolBroken
+from tests.unit.test_rewards import worker_outlives
 
 pytestmark = pytest.mark.slow
 
@@ -105,6 +106,25 @@ def test_errors_hangs_and_crashes_are_the_episodes_and_workers_are_replaced(
             await pool.close()
 
     _run(go())
+
+
+def test_a_busy_worker_dies_with_a_controller_killed_with_9(agent_dir: Path) -> None:
+    """An agent in the middle of an episode must not keep running after its controller
+    was killed with -9."""
+    driver = f"""
+import asyncio
+from areal_cli.rollout.subproc import AgentPool
+
+async def main():
+    pool = AgentPool("myagent:Sync", {str(agent_dir)!r}, 1)
+    await pool.start()
+    (worker,) = pool._all
+    print(worker.process.pid, flush=True)
+    await pool.run({{"sleep": 60}}, "http://127.0.0.1:9/v1", "k", 600)
+
+asyncio.run(main())
+"""
+    assert not worker_outlives(driver, agent_dir)
 
 
 def test_async_agents_and_functions_run_in_workers_too(agent_dir: Path) -> None:
