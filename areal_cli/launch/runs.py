@@ -269,11 +269,13 @@ def _stop_wait_s(run_dir: Path) -> float:
     SIGKILL), with room to spare; at least 60 s."""
     import yaml
 
+    from areal_cli.config.launcher_sections import LauncherConfig
+
     try:
         launcher = yaml.safe_load(RunDir(run_dir).config.read_text())["launcher"]
         wind_down = float(launcher["stop_timeout_s"])
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
-        wind_down = 30.0  # the default, for a run from before the key existed
+        wind_down = LauncherConfig.stop_timeout_s  # the default (a run from before the key)
     return max(60.0, wind_down + 30.0)
 
 

@@ -20,6 +20,7 @@ console's lock.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -159,10 +160,15 @@ class StopSignals:
         raise KeyboardInterrupt
 
 
+@functools.cache
+def _stdlib() -> str:
+    """Python's own library folder."""
+    return sysconfig.get_paths()["stdlib"]
+
+
 def _own(filename: str) -> bool:
     """Whether a frame runs areal's code or a recipe's (not Python's or a package's)."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    return not (filename.startswith((stdlib, "<")) or "-packages" in filename)
+    return not (filename.startswith((_stdlib(), "<")) or "-packages" in filename)
 
 
 def _short(filename: str) -> str:
@@ -173,8 +179,8 @@ def _short(filename: str) -> str:
         if anchor in parts:
             i = parts.index(anchor)
             return "/".join(parts[i + (anchor != "areal_cli") :])
-    stdlib = sysconfig.get_paths()["stdlib"]
-    return os.path.relpath(filename, stdlib) if filename.startswith(stdlib) else filename
+    own = not filename.startswith(_stdlib())
+    return filename if own else os.path.relpath(filename, _stdlib())
 
 
 def _say(text: str) -> None:
